@@ -1,0 +1,1 @@
+"""Tidal's in-pod elastic training agent (PyTorch)."""

@@ -1,0 +1,108 @@
+"""The ``tidal`` command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from tidal_api import ElasticTrainingJob, JobSpecError, parse_job
+from tidal_plan.layout import LayoutError, ScheduleKind
+
+_console = Console(stderr=True)
+
+
+def load_job(path: str | Path) -> ElasticTrainingJob:
+    """Read and validate an ElasticTrainingJob manifest (YAML or JSON)."""
+    path = Path(path)
+    try:
+        document = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise JobSpecError(f"{path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise JobSpecError(f"{path}: not valid YAML: {str(err).splitlines()[0]}") from None
+    return parse_job(document, str(path))
+
+
+def _parse_partition(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        parts = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected units per stage, e.g. 2,3,1") from None
+    return parts
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Tidal: elastic pipeline-parallel LLM training."""
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--workers", "-n", type=click.IntRange(min=1), help="Worker processes (default: spec.workers.min).")
+@click.option("--steps", type=click.IntRange(min=1), help="Steps to run (default: spec.training.steps).")
+@click.option("--report", type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--schedule", type=click.Choice([k.value for k in ScheduleKind]), help="Force a pipeline schedule.")
+@click.option("--partition", help="Force units per stage, e.g. 2,3,1.")
+@click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent worker is an error.")
+def run(job_file, workers, steps, report, schedule, partition, timeout_s) -> None:
+    """Train JOB_FILE with N local worker processes and report per-step losses."""
+    from tidal_agent.runner import RunError, resolve_layout, run_local  # torch loads here
+
+    try:
+        job = load_job(job_file)
+        workers = workers or job.spec.workers.min
+        steps = steps or job.spec.training.steps
+        layout = resolve_layout(
+            job, workers=workers, schedule=schedule, partition=_parse_partition(partition)
+        )
+        if steps > job.spec.training.steps:
+            raise JobSpecError(
+                f"--steps {steps} exceeds spec.training.steps ({job.spec.training.steps}), "
+                "which sets the LR schedule: raise it in the manifest"
+            )
+    except (JobSpecError, LayoutError, ValueError) as err:
+        raise click.ClickException(str(err)) from None
+
+    tokens_per_step = job.spec.training.global_batch_size * job.spec.model.seq_len
+    _console.print(f"[bold]{job.metadata.name}[/]: {layout.describe()}, {steps} steps")
+    columns = (
+        TextColumn("[progress.description]{task.description}"), BarColumn(),
+        MofNCompleteColumn(), TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=_console, transient=True) as progress:
+        task = progress.add_task("training", total=steps)
+
+        def on_step(event: dict) -> None:
+            rate = tokens_per_step / event["seconds"]
+            progress.console.print(
+                f"step {event['step']:5d}  loss {event['loss']:.4f}  "
+                f"{event['seconds'] * 1e3:7.1f} ms  {rate:10,.0f} tok/s"
+            )
+            progress.update(task, advance=1, description=f"loss {event['loss']:.4f}")
+
+        try:
+            result = run_local(
+                job, layout, steps=steps, report_path=report, on_step=on_step, timeout_s=timeout_s
+            )
+        except RunError as err:
+            first = str(err).splitlines()[0]
+            raise click.ClickException(first) from None
+    times = sorted(e["seconds"] for e in result["steps"])
+    median = times[len(times) // 2]
+    _console.print(
+        f"done: final loss {result['steps'][-1]['loss']:.4f}, median step {median * 1e3:.1f} ms "
+        f"({tokens_per_step / median:,.0f} tok/s), params sha256 {result['params_sha256'][:16]}"
+    )
+    if report:
+        _console.print(f"report: {report}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""A GPT-style decoder as an ordered list of placement units.
+
+Units, in order: the embedding, ``layers`` transformer blocks, the final norm + LM head, and
+``mtp_heads`` multi-token-prediction heads. Every unit maps a hidden state to a hidden state;
+loss units (LM head, MTP heads) also return a loss and pass the hidden state on through a view,
+so that autograd sums the gradient contributions of the loss heads pairwise in unit order
+whatever the stage boundaries are.
+
+Each unit initialises from a generator seeded by (seed, unit index), and parameter names stay
+global (``blocks.5.mlp.fc1.weight``) on every stage, so every placement holds the same numbers
+under the same names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal_agent.seeding import derive_seed
+
+MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's lambda, shared by the MTP heads
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    layers: int
+    d_model: int
+    heads: int
+    vocab: int
+    seq_len: int
+    mtp_heads: int = 0
+    dropout: float = 0.0
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(f"heads ({self.heads}) must divide d_model ({self.d_model})")
+
+    @property
+    def num_units(self) -> int:
+        return self.layers + 2 + self.mtp_heads
+
+    @property
+    def sample_len(self) -> int:
+        """Tokens per sample: inputs plus the targets of the LM head and every MTP head."""
+        return self.seq_len + 1 + self.mtp_heads
+
+    def unit_name(self, unit: int) -> str:
+        if unit == 0:
+            return "embed"
+        if unit <= self.layers:
+            return f"blocks.{unit - 1}"
+        if unit == self.layers + 1:
+            return "head"
+        return f"mtp.{unit - self.layers - 2}"
+
+
+@dataclass(slots=True)
+class UnitContext:
+    """What a unit needs besides its input: the tokens and the keys of its randomness."""
+
+    tokens: torch.Tensor  # (micro-batch, sample_len) int64
+    seed: int
+    step: int
+    mb: int
+
+
+def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None) -> torch.Tensor:
+    # Our own mask, from a generator keyed by (seed, step, micro-batch, unit): the same mask
+    # whichever rank computes the unit.
+    if p == 0.0 or generator is None:
+        return x
+    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
+    return x * keep / (1.0 - p)
+
+
+class Unit(nn.Module):
+    """A placement unit; ``forward`` returns the next hidden state and an optional loss."""
+
+    index: int
+    config: ModelConfig
+
+    def _generator(self, ctx: UnitContext) -> torch.Generator | None:
+        if self.config.dropout == 0.0:
+            return None
+        gen = torch.Generator(device=ctx.tokens.device)
+        gen.manual_seed(derive_seed(ctx.seed, "dropout", ctx.step, ctx.mb, self.index))
+        return gen
+
+
+class Embedding(Unit):
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.config, self.index = config, index
+        self.wte = nn.Embedding(config.vocab, config.d_model)
+        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+
+    def forward(self, h: torch.Tensor | None, ctx: UnitContext):
+        idx = ctx.tokens[:, : self.config.seq_len]
+        pos = torch.arange(self.config.seq_len, device=idx.device)
+        h = self.wte(idx) + self.wpe(pos)
+        return _dropout(h, self.config.dropout, self._generator(ctx)), None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, config.mlp_ratio * config.d_model)
+        self.fc2 = nn.Linear(config.mlp_ratio * config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(Unit):
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.config, self.index = config, index
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = Attention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, ctx: UnitContext):
+        gen = self._generator(ctx)
+        h = h + _dropout(self.attn(self.ln1(h)), self.config.dropout, gen)
+        h = h + _dropout(self.mlp(self.ln2(h)), self.config.dropout, gen)
+        return h, None
+
+
+class LossHead(Unit):
+    """Final norm + projection to the vocabulary, predicting the token ``offset`` ahead.
+
+    The LM head has offset 1; MTP head ``k`` (0-based) has offset ``k + 2``.
+    """
+
+    def __init__(self, config: ModelConfig, index: int, offset: int, weight: float) -> None:
+        super().__init__()
+        self.config, self.index = config, index
+        self.offset, self.weight = offset, weight
+        self.norm = nn.LayerNorm(config.d_model)
+        self.proj = nn.Linear(config.d_model, config.vocab, bias=False)
+
+    def forward(self, h: torch.Tensor, ctx: UnitContext):
+        t = self.config.seq_len
+        logits = self.proj(self.norm(h))
+        targets = ctx.tokens[:, self.offset : self.offset + t]
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return h.view_as(h), loss * self.weight
+
+
+def build_unit(config: ModelConfig, unit: int, seed: int) -> Unit:
+    """Build placement unit ``unit`` with initial values drawn from (seed, unit) alone."""
+    module = _construct_unit(config, unit)
+    _initialise(module, config, derive_seed(seed, "init", unit))
+    return module
+
+
+def _construct_unit(config: ModelConfig, unit: int) -> Unit:
+    if not 0 <= unit < config.num_units:
+        raise ValueError(f"unit {unit} is outside the model's {config.num_units} units")
+    if unit == 0:
+        module: Unit = Embedding(config, unit)
+    elif unit <= config.layers:
+        module = Block(config, unit)
+    elif unit == config.layers + 1:
+        module = LossHead(config, unit, offset=1, weight=1.0)
+    else:
+        k = unit - config.layers - 2
+        module = LossHead(config, unit, offset=k + 2, weight=MTP_LOSS_WEIGHT / config.mtp_heads)
+    return module
+
+
+@torch.no_grad()
+def _initialise(module: Unit, config: ModelConfig, seed: int) -> None:
+    # GPT-2 initialisation, drawn in parameter-name order from the unit's own generator.
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * config.layers)
+    for name, param in module.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.dim() == 1:  # LayerNorm scale
+            param.fill_(1.0)
+        else:
+            std = residual_std if name.endswith(("attn.proj.weight", "fc2.weight")) else 0.02
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+class StageModule(nn.Module):
+    """The placement units of one pipeline stage, under their global names."""
+
+    def __init__(self, config: ModelConfig, units: range, seed: int) -> None:
+        super().__init__()
+        self.config, self.units = config, units
+        built = {u: build_unit(config, u, seed) for u in units}
+        blocks = {str(u - 1): m for u, m in built.items() if isinstance(m, Block)}
+        mtp = {str(u - config.layers - 2): m for u, m in built.items() if u > config.layers + 1}
+        if 0 in built:
+            self.embed = built[0]
+        if blocks:
+            self.blocks = nn.ModuleDict(blocks)
+        if config.layers + 1 in built:
+            self.head = built[config.layers + 1]
+        if mtp:
+            self.mtp = nn.ModuleDict(mtp)
+        self._ordered = [built[u] for u in units]
+
+    def forward(self, h: torch.Tensor | None, ctx: UnitContext):
+        losses: list[torch.Tensor] = []
+        for unit in self._ordered:
+            h, loss = unit(h, ctx)
+            if loss is not None:
+                losses.append(loss)
+        return h, losses
+
+    @property
+    def num_losses(self) -> int:
+        return sum(isinstance(u, LossHead) for u in self._ordered)
+
+
+def loss_units(config: ModelConfig) -> list[int]:
+    """Placement units that produce a loss, in unit order."""
+    return list(range(config.layers + 1, config.num_units))
+
+
+def global_parameter_names(config: ModelConfig) -> list[str]:
+    """Every parameter name of the whole model, in global order (unit order, then module order)."""
+    names: list[str] = []
+    for unit in range(config.num_units):
+        with torch.device("meta"):
+            module = _construct_unit(config, unit)
+        names.extend(f"{config.unit_name(unit)}.{n}" for n, _ in module.named_parameters())
+    return names

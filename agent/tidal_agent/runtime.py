@@ -1,0 +1,222 @@
+"""The pipeline runtime: a plain interpreter of one rank's lowered action list.
+
+It knows nothing about schedules. Every stage is its own autograd island: a stage's input is a
+leaf tensor (received, or handed over locally when the previous stage sits on the same rank),
+and its backward returns the gradient of that leaf. Parameter gradients are accumulated in the
+order the backward actions run, which every schedule keeps in micro-batch order.
+
+Communication is point-to-point: SEND posts a non-blocking send, RECV posts a receive that is
+waited for when the consuming compute action runs. Messages carry a tag derived from
+(kind, stage, micro-batch) so that the transport matches them whatever their order (gloo);
+backends that match in order (NCCL) need FIFO-consistent lists, which the runtime checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tidal_agent.data import BatchSource
+from tidal_agent.model import StageModule, UnitContext
+from tidal_plan.ir import Action, Kind
+from tidal_plan.layout import Layout
+
+
+@dataclass(slots=True)
+class _StepState:
+    """Tensors in flight during one step, keyed by (stage, micro-batch)."""
+
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    losses: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    grad_outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    roots: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
+        default_factory=dict
+    )
+    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    pending: dict[tuple[Kind, int, int], tuple[dist.Work, torch.Tensor]] = field(
+        default_factory=dict
+    )
+    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    loss_values: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+
+
+class PipelineRuntime:
+    """Runs the actions of one pipeline rank for one training step at a time."""
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        pp_rank: int,
+        stages: dict[int, StageModule],
+        batches: BatchSource,
+        seed: int,
+        group_ranks: list[int],
+        device: torch.device,
+        activation_shape: tuple[int, ...],
+    ) -> None:
+        self.layout, self.pp_rank, self.stages = layout, pp_rank, stages
+        self.batches, self.seed, self.device = batches, seed, device
+        self.group_ranks = group_ranks  # global rank of each pipeline rank
+        self.activation_shape = activation_shape
+        self.loss_scale = 1.0 / layout.num_micro_batches
+        self._handlers = {
+            Kind.F: self._forward,
+            Kind.B: self._backward_full,
+            Kind.I: self._backward_input,
+            Kind.W: self._backward_weight,
+            Kind.SEND_F: self._send_forward,
+            Kind.SEND_B: self._send_backward,
+            Kind.RECV_F: self._recv,
+            Kind.RECV_B: self._recv,
+        }
+
+    # -- step -----------------------------------------------------------------------------
+
+    def run_step(self, step: int, actions: list[Action]) -> dict[tuple[int, int], list[float]]:
+        """Run one step's actions; return the loss values of this rank's loss units.
+
+        Keys are (stage, micro-batch); values are the scaled losses of the stage's loss units in
+        unit order. Parameter gradients are left accumulated in ``.grad``.
+        """
+        self._step, self._state = step, _StepState()
+        for action in actions:
+            self._handlers[action.kind](action)
+        for work, _ in self._state.sends:
+            work.wait()
+        values = {key: [float(v) for v in vs] for key, vs in self._state.loss_values.items()}
+        self._state = _StepState()
+        return values
+
+    # -- compute --------------------------------------------------------------------------
+
+    def _context(self, mb: int) -> UnitContext:
+        tokens = self.batches.micro_batch(self._step, mb).to(self.device, non_blocking=True)
+        return UnitContext(tokens=tokens, seed=self.seed, step=self._step, mb=mb)
+
+    def _forward(self, action: Action) -> None:
+        s, m = action.stage, action.mb
+        st = self._state
+        x = None
+        if s > 0:
+            x = self._take_received(Kind.RECV_F, s, m, st.inputs)
+            x.requires_grad_(True)
+            st.inputs[(s, m)] = x
+        out, losses = self.stages[s](x, self._context(m))
+        st.losses[(s, m)] = losses
+        st.loss_values[(s, m)] = [loss.detach() for loss in losses]
+        if s + 1 < self.layout.num_stages:
+            st.outputs[(s, m)] = out
+            if self.layout.stage_rank(s + 1) == self.pp_rank:
+                st.inputs[(s + 1, m)] = out.detach()
+
+    def _roots(self, s: int, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Backward roots of (s, m) and their gradients: the scaled losses and the output."""
+        st = self._state
+        if (s, m) not in st.roots:
+            losses = st.losses[(s, m)]
+            roots = list(losses)
+            grads = [torch.full((), self.loss_scale, device=self.device) for _ in losses]
+            if (s, m) in st.outputs:
+                roots.append(st.outputs[(s, m)])
+                grads.append(self._take_received(Kind.RECV_B, s, m, st.grad_outputs))
+            st.roots[(s, m)] = (roots, grads)
+        return st.roots[(s, m)]
+
+    def _backward_full(self, action: Action) -> None:
+        s, m = action.stage, action.mb
+        roots, grads = self._roots(s, m)
+        x = self._state.inputs.get((s, m))
+        params = self._params(s)
+        inputs = ([x] if x is not None else []) + params
+        result = torch.autograd.grad(roots, inputs, grads)
+        if x is not None:
+            self._input_grad_done(s, m, result[0])
+            result = result[1:]
+        self._accumulate(params, result)
+        self._release(s, m)
+
+    def _backward_input(self, action: Action) -> None:
+        s, m = action.stage, action.mb
+        x = self._state.inputs.get((s, m))
+        if x is None:  # the first stage has no input gradient; W does all its work
+            return
+        roots, grads = self._roots(s, m)
+        (gx,) = torch.autograd.grad(roots, [x], grads, retain_graph=True)
+        self._input_grad_done(s, m, gx)
+
+    def _backward_weight(self, action: Action) -> None:
+        s, m = action.stage, action.mb
+        roots, grads = self._roots(s, m)
+        params = self._params(s)
+        self._accumulate(params, torch.autograd.grad(roots, params, grads))
+        self._release(s, m)
+
+    def _input_grad_done(self, s: int, m: int, gx: torch.Tensor) -> None:
+        if self.layout.stage_rank(s - 1) == self.pp_rank:
+            self._state.grad_outputs[(s - 1, m)] = gx
+        else:
+            self._state.input_grads[(s, m)] = gx
+
+    def _params(self, s: int) -> list[torch.nn.Parameter]:
+        return list(self.stages[s].parameters())
+
+    @staticmethod
+    @torch.no_grad()
+    def _accumulate(params: list[torch.nn.Parameter], grads) -> None:
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
+    def _release(self, s: int, m: int) -> None:
+        st = self._state
+        for store in (st.inputs, st.outputs, st.losses, st.grad_outputs, st.roots):
+            store.pop((s, m), None)
+
+    # -- communication --------------------------------------------------------------------
+
+    def _tag(self, kind: Kind, stage: int, mb: int) -> int:
+        direction = 0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1
+        return (direction * self.layout.num_stages + stage) * self.layout.num_micro_batches + mb
+
+    def _send_forward(self, action: Action) -> None:
+        s, m = action.stage, action.mb
+        out = self._state.outputs[(s, m)].detach().contiguous()
+        dst = self.group_ranks[self.layout.stage_rank(s + 1)]
+        work = dist.isend(out, dst, tag=self._tag(Kind.SEND_F, s + 1, m))
+        self._state.sends.append((work, out))
+
+    def _send_backward(self, action: Action) -> None:
+        s, m = action.stage, action.mb
+        gx = self._state.input_grads.pop((s, m)).contiguous()
+        dst = self.group_ranks[self.layout.stage_rank(s - 1)]
+        work = dist.isend(gx, dst, tag=self._tag(Kind.SEND_B, s - 1, m))
+        self._state.sends.append((work, gx))
+
+    def _recv(self, action: Action) -> None:
+        s, m = action.stage, action.mb
+        src_stage = s - 1 if action.kind is Kind.RECV_F else s + 1
+        src = self.group_ranks[self.layout.stage_rank(src_stage)]
+        buf = torch.empty(self.activation_shape, device=self.device)
+        work = dist.irecv(buf, src, tag=self._tag(action.kind, s, m))
+        self._state.pending[(action.kind, s, m)] = (work, buf)
+
+    def _take_received(self, kind: Kind, s: int, m: int, local: dict) -> torch.Tensor:
+        """The tensor for (s, m): from a posted receive, else handed over on this rank."""
+        posted = self._state.pending.pop((kind, s, m), None)
+        if posted is not None:
+            work, buf = posted
+            work.wait()
+            return buf
+        try:
+            return local.pop((s, m))
+        except KeyError:
+            raise RuntimeError(
+                f"stage {s} micro-batch {m}: no {kind.value} posted and no local hand-over; "
+                "the action list is not a valid lowering"
+            ) from None

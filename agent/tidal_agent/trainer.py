@@ -1,0 +1,156 @@
+"""One worker's share of a training job under a fixed layout.
+
+The trainer owns the stage modules of its pipeline rank, the optimizer over their parameters and
+the runtime that interprets the rank's action list; ``step`` runs one optimizer step and returns
+the step loss, which every rank computes the same way in the same order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tidal_agent.data import BatchSource, SyntheticCorpus, TokenFile
+from tidal_agent.model import ModelConfig, StageModule, global_parameter_names
+from tidal_agent.optim import ClipMode, build_adamw, clip_grad_norm, lr_at
+from tidal_agent.runtime import PipelineRuntime
+from tidal_api import JobSpec
+from tidal_plan.layout import Layout
+from tidal_plan.lowering import fifo_consistent
+from tidal_plan.simulate import plan_step
+
+
+def model_config(spec: JobSpec) -> ModelConfig:
+    m = spec.model
+    return ModelConfig(
+        layers=m.layers,
+        d_model=m.d_model,
+        heads=m.heads,
+        vocab=m.vocab,
+        seq_len=m.seq_len,
+        mtp_heads=m.mtp_heads,
+        dropout=m.dropout,
+        mlp_ratio=m.mlp_ratio,
+    )
+
+
+def batch_source(spec: JobSpec, config: ModelConfig) -> BatchSource:
+    t = spec.training
+    if t.data.kind == "tokens":
+        corpus = TokenFile(t.data.path, config.sample_len, t.seed, config.vocab)
+    else:
+        corpus = SyntheticCorpus(config.vocab, config.sample_len, t.seed)
+    return BatchSource(corpus, t.micro_batch_size)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        spec: JobSpec,
+        layout: Layout,
+        pp_rank: int,
+        group_ranks: list[int],
+        device: torch.device,
+        backend: str,
+        clip_mode: ClipMode = ClipMode.GLOBAL_ORDER,
+    ) -> None:
+        self.spec, self.layout, self.pp_rank = spec, layout, pp_rank
+        self.config = model_config(spec)
+        self.clip_mode = clip_mode
+        if layout.num_units != self.config.num_units:
+            raise ValueError(
+                f"layout covers {layout.num_units} units; the model has {self.config.num_units}"
+            )
+        seed = spec.training.seed
+        self.stages = {
+            s: StageModule(self.config, layout.stage_units(s), seed).to(device)
+            for s in layout.rank_stages(pp_rank)
+        }
+        index = {name: i for i, name in enumerate(global_parameter_names(self.config))}
+        self.num_params = len(index)
+        named = [(n, p) for st in self.stages.values() for n, p in st.named_parameters()]
+        self.indexed_params = [(index[n], p) for n, p in named]
+        self.named_params = named
+        self.optimizer = build_adamw(named, spec.training)
+        lowered = plan_step(layout)
+        if backend == "nccl" and not fifo_consistent(lowered):
+            raise ValueError(
+                f"{layout.describe()}: NCCL matches messages in order and this schedule's "
+                "sends and receives are not in the same order; use gloo or another schedule"
+            )
+        self.actions = lowered[pp_rank]
+        mbs, t = spec.training.micro_batch_size, self.config.seq_len
+        self.runtime = PipelineRuntime(
+            layout=layout,
+            pp_rank=pp_rank,
+            stages=self.stages,
+            batches=batch_source(spec, self.config),
+            seed=seed,
+            group_ranks=group_ranks,
+            device=device,
+            activation_shape=(mbs, t, self.config.d_model),
+        )
+        self.device = device
+        self._first_loss_unit = self.config.layers + 1
+        self._num_loss_units = self.config.num_units - self._first_loss_unit
+
+    def step(self, step: int) -> StepResult:
+        lr = lr_at(step, self.spec.training)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_values = self.runtime.run_step(step, self.actions)
+        grad_norm = clip_grad_norm(
+            self.indexed_params, self.num_params, self.spec.training.grad_clip, mode=self.clip_mode
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(step=step, loss=self._step_loss(loss_values), grad_norm=grad_norm, lr=lr)
+
+    def _step_loss(self, loss_values: dict[tuple[int, int], list[float]]) -> float:
+        """Sum of every loss unit's scaled loss, micro-batch-major, then over micro-batches."""
+        m_count = self.layout.num_micro_batches
+        table = torch.zeros(m_count, self._num_loss_units, dtype=torch.float64, device=self.device)
+        for (stage, mb), values in loss_values.items():
+            first = [u for u in self.layout.stage_units(stage) if u >= self._first_loss_unit]
+            for unit, value in zip(first, values, strict=True):
+                table[mb, unit - self._first_loss_unit] = value
+        dist.all_reduce(table)
+        rows = table.cpu().tolist()
+        total = 0.0
+        for row in rows:
+            for value in row:
+                total += value
+        return total / m_count
+
+    def parameter_digests(self) -> dict[int, tuple[str, str]]:
+        """sha256 of each local parameter's bytes, keyed by global index."""
+        out = {}
+        for (index, p), (name, _) in zip(self.indexed_params, self.named_params, strict=True):
+            data = p.detach().cpu().contiguous().numpy().view(np.uint8)
+            out[index] = (name, hashlib.sha256(data.tobytes()).hexdigest())
+        return out
+
+
+def params_sha256(digests: dict[int, tuple[str, str]], num_params: int) -> str:
+    """One hash over every parameter's digest, in global order; all must be present."""
+    missing = [i for i in range(num_params) if i not in digests]
+    if missing:
+        raise ValueError(f"parameters missing from the digests: global indices {missing[:5]}")
+    h = hashlib.sha256()
+    for index in range(num_params):
+        name, digest = digests[index]
+        h.update(f"{name} {digest}\n".encode())
+    return h.hexdigest()

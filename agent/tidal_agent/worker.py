@@ -1,0 +1,99 @@
+"""A worker process: joins the job's process group and trains its share of the layout.
+
+Events go back to the launcher on a queue: per-step results from rank 0, parameter digests
+from every rank at the end, and an error line from a rank that fails.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal_agent.optim import ClipMode
+from tidal_agent.trainer import Trainer
+from tidal_api import JobSpec
+from tidal_plan.layout import Layout
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerOptions:
+    store_host: str
+    store_port: int
+    store_prefix: str
+    world_size: int
+    steps: int
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+    threads: int = 1
+    clip_mode: ClipMode = ClipMode.GLOBAL_ORDER
+
+
+def worker_main(rank: int, spec_json: str, layout: Layout, opts: WorkerOptions, events) -> None:
+    """Process entry point (spawned); never raises, reports through ``events``."""
+    try:
+        _run(rank, JobSpec.model_validate_json(spec_json), layout, opts, events)
+    except BaseException as err:  # noqa: BLE001 - the launcher needs every failure, with cause
+        events.put(("error", rank, f"{type(err).__name__}: {err}", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(rank: int, spec: JobSpec, layout: Layout, opts: WorkerOptions, events) -> None:
+    # Same threads in every process: part of the determinism contract.
+    torch.set_num_threads(opts.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
+    timeout = timedelta(seconds=opts.timeout_s)
+    store = dist.TCPStore(
+        opts.store_host, opts.store_port, is_master=False, timeout=timeout, use_libuv=True
+    )
+    device = torch.device("cpu")
+    if opts.backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        opts.backend,
+        store=dist.PrefixStore(opts.store_prefix, store),
+        rank=rank,
+        world_size=opts.world_size,
+        timeout=timeout,
+    )
+    trainer = Trainer(
+        spec=spec,
+        layout=layout,
+        pp_rank=rank,
+        group_ranks=list(range(opts.world_size)),
+        device=device,
+        backend=opts.backend,
+        clip_mode=opts.clip_mode,
+    )
+    events.put(("ready", rank, None))
+    for step in range(opts.steps):
+        started = time.perf_counter()
+        result = trainer.step(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - started
+        if rank == 0:
+            events.put(("step", rank, _step_event(result, seconds, layout)))
+    events.put(("done", rank, trainer.parameter_digests()))
+
+
+def _step_event(result, seconds: float, layout: Layout) -> dict[str, Any]:
+    return {
+        "step": result.step,
+        "loss": result.loss,
+        "loss_hex": float.hex(result.loss),
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "seconds": seconds,
+        "layout": layout.to_dict(),
+    }

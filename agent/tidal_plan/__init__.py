@@ -1,0 +1,1 @@
+"""Pure planning for Tidal: layouts and the pipeline IR. No torch, no kopf."""

@@ -1,0 +1,59 @@
+import numpy as np
+import pytest
+import torch
+
+from tidal_agent.data import BatchSource, SyntheticCorpus, TokenFile, write_token_file
+from tidal_agent.model import ModelConfig, StageModule, global_parameter_names
+
+torch.set_num_threads(1)
+CONFIG = ModelConfig(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2)
+
+
+def test_initial_values_do_not_depend_on_placement():
+    whole = dict(StageModule(CONFIG, range(CONFIG.num_units), seed=3).named_parameters())
+    parts = {}
+    for units in (range(0, 2), range(2, 5), range(5, 7)):
+        parts.update(dict(StageModule(CONFIG, units, seed=3).named_parameters()))
+    assert list(parts) == list(whole) == global_parameter_names(CONFIG)
+    assert all(torch.equal(parts[n], whole[n]) for n in whole)
+    other = dict(StageModule(CONFIG, range(CONFIG.num_units), seed=4).named_parameters())
+    assert not torch.equal(other["blocks.1.mlp.fc1.weight"], whole["blocks.1.mlp.fc1.weight"])
+
+
+def test_synthetic_samples_are_addressed_not_sequenced():
+    corpus = SyntheticCorpus(vocab=50, sample_len=12, seed=1)
+    batch = corpus.samples(5, np.arange(8))
+    assert np.array_equal(corpus.samples(5, np.array([6, 2])), batch[[6, 2]])
+    assert not np.array_equal(corpus.samples(6, np.arange(8)), batch)
+    assert batch.min() >= 0 and batch.max() < 50
+
+
+def test_synthetic_corpus_has_learnable_structure():
+    corpus = SyntheticCorpus(vocab=64, sample_len=64, seed=0)
+    tokens = corpus.samples(0, np.arange(200))
+    pairs = {}
+    for row in tokens:
+        for a, b in zip(row[:-1], row[1:], strict=False):
+            pairs.setdefault(int(a), set()).add(int(b))
+    # each token is followed by at most 4 distinct tokens, far fewer than the vocabulary
+    assert max(len(v) for v in pairs.values()) <= 4
+
+
+def test_token_file_round_trip(tmp_path):
+    path = tmp_path / "tokens.bin"
+    write_token_file(path, np.arange(1000) % 97)
+    source = BatchSource(TokenFile(path, sample_len=10, seed=2, vocab=97), micro_batch_size=3)
+    mb = source.micro_batch(step=4, mb=1)
+    assert mb.shape == (3, 10) and mb.dtype == torch.int64
+    assert torch.equal(mb, source.micro_batch(step=4, mb=1))
+    diffs = (mb[:, 1:] - mb[:, :-1]) % 97
+    assert bool((diffs == 1).all())  # consecutive tokens of the file
+
+
+def test_token_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        TokenFile(tmp_path / "none.bin", sample_len=4, seed=0, vocab=10)
+    path = tmp_path / "short.bin"
+    write_token_file(path, np.arange(3))
+    with pytest.raises(ValueError, match="a sample needs more than 4"):
+        TokenFile(path, sample_len=4, seed=0, vocab=10)
