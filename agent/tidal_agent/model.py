@@ -14,6 +14,7 @@ under the same names.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,14 +60,27 @@ class ModelConfig:
         return f"mtp.{unit - self.layers - 2}"
 
 
-@dataclass(slots=True)
 class UnitContext:
-    """What a unit needs besides its input: the tokens and the keys of its randomness."""
+    """What a unit needs besides its input: the tokens and the keys of its randomness.
 
-    tokens: torch.Tensor  # (micro-batch, sample_len) int64
-    seed: int
-    step: int
-    mb: int
+    Tokens are loaded on first use: only the embedding and the loss heads read them.
+    """
+
+    __slots__ = ("seed", "step", "mb", "device", "_load", "_tokens")
+
+    def __init__(
+        self, *, seed: int, step: int, mb: int, device: torch.device,
+        load: Callable[[], torch.Tensor],
+    ) -> None:
+        self.seed, self.step, self.mb, self.device = seed, step, mb, device
+        self._load, self._tokens = load, None
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The micro-batch's samples, (micro-batch size, sample_len) int64."""
+        if self._tokens is None:
+            self._tokens = self._load()
+        return self._tokens
 
 
 def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -87,7 +101,7 @@ class Unit(nn.Module):
     def _generator(self, ctx: UnitContext) -> torch.Generator | None:
         if self.config.dropout == 0.0:
             return None
-        gen = torch.Generator(device=ctx.tokens.device)
+        gen = torch.Generator(device=ctx.device)
         gen.manual_seed(derive_seed(ctx.seed, "dropout", ctx.step, ctx.mb, self.index))
         return gen
 

@@ -94,8 +94,12 @@ class PipelineRuntime:
     # -- compute --------------------------------------------------------------------------
 
     def _context(self, mb: int) -> UnitContext:
-        tokens = self.batches.micro_batch(self._step, mb).to(self.device, non_blocking=True)
-        return UnitContext(tokens=tokens, seed=self.seed, step=self._step, mb=mb)
+        step, device = self._step, self.device
+
+        def load() -> torch.Tensor:
+            return self.batches.micro_batch(step, mb).to(device, non_blocking=True)
+
+        return UnitContext(seed=self.seed, step=step, mb=mb, device=device, load=load)
 
     def _forward(self, action: Action) -> None:
         s, m = action.stage, action.mb

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 
 from tidal_plan.ir import Action, Kind
 from tidal_plan.layout import Layout
+from tidal_plan.schedules import Schedule
 
-Schedule = dict[int, list[Action]]
 # A message is named by the tag both ends agree on: (kind of payload, producing stage, mb).
 Message = tuple[Kind, int, int]
 

@@ -119,7 +119,7 @@ def simulate(
     action twice, communication between stages of one rank, or a SEND nobody receives. A RECV
     nobody sends is a deadlock, shown in the grid.
     """
-    costs = costs or Costs()
+    costs = costs if costs is not None else Costs()
     costs.check(layout.num_stages)
     _check_lists(layout, lowered)
     replay = _Replay(layout, lowered, costs)
@@ -271,7 +271,7 @@ class _Replay:
         for alternatives in self._needs(action):
             if not any(a in self.available for a in alternatives):
                 waits.append(" or ".join(f"{a} {self._where(a)}" for a in alternatives))
-        return f"rank {rank} is stuck on {action}, waiting for " + " and ".join(waits)
+        return f"* rank {rank} is stuck on {action}, waiting for " + " and ".join(waits)
 
     def _where(self, action: Action) -> str:
         for rank, actions in self.lists.items():

@@ -29,7 +29,7 @@ def test_stage_units_and_ranks():
         ({"workers": 3, "partition": (3, 3, 3)}, "covers 9 units; the model has 8"),
         ({"workers": 3, "partition": (4, 4, 0)}, "has an empty stage"),
         ({"workers": 2, "partition": (4, 2, 2)}, "has 3 stages"),
-        ({"workers": 3, "schedule": "interleaved"}, "use at most 4 workers"),
+        ({"workers": 3, "schedule": "interleaved"}, "use at most 2 workers"),
     ],
 )
 def test_impossible_layouts_say_how_to_fix(kwargs, message):
