@@ -18,6 +18,7 @@ import torch
 
 SUCCESSORS = 4
 SUCCESSOR_PROBS = np.array([0.7, 0.1, 0.1, 0.1])
+_CUMULATIVE = np.cumsum(SUCCESSOR_PROBS)[:-1]  # inverse-CDF sampling: rng.choice is slow
 
 
 class Corpus(Protocol):
@@ -45,7 +46,7 @@ class SyntheticCorpus:
         for row, index in enumerate(indices):
             rng = np.random.default_rng([self.seed, step, int(index)])
             out[row, 0] = rng.integers(0, self.vocab)
-            choices[row] = rng.choice(SUCCESSORS, size=self.sample_len, p=SUCCESSOR_PROBS)
+            choices[row] = np.searchsorted(_CUMULATIVE, rng.random(self.sample_len), side="right")
         for pos in range(1, self.sample_len):
             out[:, pos] = table[out[:, pos - 1], choices[:, pos]]
         return out

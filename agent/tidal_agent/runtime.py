@@ -2,8 +2,10 @@
 
 It knows nothing about schedules. Every stage is its own autograd island: a stage's input is a
 leaf tensor (received, or handed over locally when the previous stage sits on the same rank),
-and its backward returns the gradient of that leaf. Parameter gradients are accumulated in the
-order the backward actions run, which every schedule keeps in micro-batch order.
+and its backward yields the gradient of that leaf. The autograd engine accumulates parameter
+gradients into ``.grad`` in the order the backward actions run, which every schedule keeps in
+micro-batch order; B and W go through the same engine call, so split and fused backwards add
+the same numbers in the same order.
 
 Communication is point-to-point: SEND posts a non-blocking send, RECV posts a receive that is
 waited for when the consuming compute action runs. Messages carry a tag derived from
@@ -134,13 +136,11 @@ class PipelineRuntime:
         s, m = action.stage, action.mb
         roots, grads = self._roots(s, m)
         x = self._state.inputs.get((s, m))
-        params = self._params(s)
-        inputs = ([x] if x is not None else []) + params
-        result = torch.autograd.grad(roots, inputs, grads)
+        # The engine accumulates parameter gradients into .grad (mb order = call order) and
+        # leaves the input gradient in x.grad.
+        torch.autograd.backward(roots, grads)
         if x is not None:
-            self._input_grad_done(s, m, result[0])
-            result = result[1:]
-        self._accumulate(params, result)
+            self._input_grad_done(s, m, x.grad)
         self._release(s, m)
 
     def _backward_input(self, action: Action) -> None:
@@ -155,8 +155,7 @@ class PipelineRuntime:
     def _backward_weight(self, action: Action) -> None:
         s, m = action.stage, action.mb
         roots, grads = self._roots(s, m)
-        params = self._params(s)
-        self._accumulate(params, torch.autograd.grad(roots, params, grads))
+        torch.autograd.backward(roots, grads, inputs=self._params(s))
         self._release(s, m)
 
     def _input_grad_done(self, s: int, m: int, gx: torch.Tensor) -> None:
@@ -167,15 +166,6 @@ class PipelineRuntime:
 
     def _params(self, s: int) -> list[torch.nn.Parameter]:
         return list(self.stages[s].parameters())
-
-    @staticmethod
-    @torch.no_grad()
-    def _accumulate(params: list[torch.nn.Parameter], grads) -> None:
-        for p, g in zip(params, grads, strict=True):
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
 
     def _release(self, s: int, m: int) -> None:
         st = self._state
