@@ -34,7 +34,7 @@ def _parse_partition(text: str | None) -> tuple[int, ...] | None:
     try:
         parts = tuple(int(p) for p in text.split(","))
     except ValueError:
-        raise click.BadParameter(f"{text!r}: expected units per stage, e.g. 2,3,1") from None
+        raise LayoutError(f"--partition {text!r}: expected units per stage, e.g. 2,3,1") from None
     return parts
 
 
@@ -97,11 +97,34 @@ def run(job_file, workers, steps, report, schedule, partition, timeout_s) -> Non
     times = sorted(e["seconds"] for e in result["steps"])
     median = times[len(times) // 2]
     _console.print(
-        f"done: final loss {result['steps'][-1]['loss']:.4f}, median step {median * 1e3:.1f} ms "
-        f"({tokens_per_step / median:,.0f} tok/s), params sha256 {result['params_sha256'][:16]}"
+        f"done: loss {result['steps'][-1]['loss']:.4f}, median step {median * 1e3:.1f} ms "
+        f"({tokens_per_step / median:,.0f} tok/s), params {result['params_sha256'][:16]}"
     )
     if report:
         _console.print(f"report: {report}")
+
+
+@main.group()
+def data() -> None:
+    """Training data tools."""
+
+
+@data.command("synth")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--tokens", type=click.IntRange(min=2), default=1_000_000, show_default=True)
+@click.option("--vocab", type=click.IntRange(2, 65536), default=256, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+def data_synth(out: str, tokens: int, vocab: int, seed: int) -> None:
+    """Write OUT, a uint16 token file (nanoGPT format) drawn from the synthetic corpus."""
+    import numpy as np
+
+    from tidal_agent.data import SyntheticCorpus, write_token_file
+
+    row = 1024
+    corpus = SyntheticCorpus(vocab=vocab, sample_len=row, seed=seed)
+    chains = corpus.samples(0, np.arange(-(-tokens // row)))
+    write_token_file(out, chains.reshape(-1)[:tokens])
+    _console.print(f"wrote {tokens:,} tokens (vocab {vocab}) to {out}")
 
 
 if __name__ == "__main__":

@@ -69,3 +69,23 @@ def test_naive_clipping_breaks_the_contract(job):
     one = _run(job, 1, clip_mode=ClipMode.NAIVE)
     three = _run(job, 3, partition=(2, 5, 3), clip_mode=ClipMode.NAIVE)
     assert one != three
+
+
+def test_one_unit_per_stage():
+    # PP at its maximum: as many workers as placement units (embedding, 2 blocks, head, MTP).
+    from tidal_api import parse_job
+
+    small = parse_job({
+        "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "s"},
+        "spec": {
+            "model": {"layers": 2, "dModel": 16, "heads": 2, "vocab": 32, "seqLen": 8, "mtpHeads": 1},
+            "training": {"steps": 6, "globalBatchSize": 10, "microBatchSize": 2, "gradClip": 0.5},
+        },
+    })
+    layout_one = resolve_layout(small, workers=1)
+    layout_max = resolve_layout(small, workers=small.spec.model.num_units, schedule="gpipe")
+    assert layout_max.partition == (1, 1, 1, 1, 1)
+    one = run_local(small, layout_one, steps=6, timeout_s=60)
+    full = run_local(small, layout_max, steps=6, timeout_s=60)
+    assert [s["loss_hex"] for s in one["steps"]] == [s["loss_hex"] for s in full["steps"]]
+    assert one["params_sha256"] == full["params_sha256"]

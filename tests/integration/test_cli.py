@@ -1,0 +1,112 @@
+"""The ``tidal`` command as a user runs it: real processes, real files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+TIDAL = Path(sys.executable).with_name("tidal")
+TINY = ROOT / "examples" / "tiny.yaml"
+
+
+def tidal(*args, timeout=300):
+    return subprocess.run([str(TIDAL), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def _write_job(tmp_path, mutate):
+    doc = yaml.safe_load(TINY.read_text())
+    mutate(doc)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _bad(doc_field):
+    def mutate(doc):
+        doc["spec"]["model"]["layerz"] = doc_field
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "20"], "20 workers need 20 stages but the model has only 8 placement units"),
+        (["--workers", "3", "--partition", "3,3,3"], "partition [3, 3, 3] covers 9 units"),
+        (["--workers", "3", "--partition", "4,4,0"], "has an empty stage"),
+        (["--workers", "2", "--partition", "a,b"], "expected units per stage"),
+        (["--steps", "500"], "exceeds spec.training.steps (200)"),
+    ],
+)
+def test_bad_flags_get_one_clear_line(args, message):
+    result = tidal("run", TINY, *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_bad(3), "spec.model.layerz: unknown field"),
+        (lambda d: d["spec"]["workers"].update(min=5, max=2), "must not exceed workers.max"),
+        (lambda d: d["spec"]["training"].update(microBatchSize=3), "must divide"),
+    ],
+)
+def test_bad_manifests_get_one_clear_line(tmp_path, mutate, message):
+    result = tidal("run", _write_job(tmp_path, mutate))
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_missing_and_broken_files(tmp_path):
+    missing = tidal("run", tmp_path / "none.yaml")
+    assert missing.returncode != 0 and "No such file" in missing.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec: [unclosed\n")
+    result = tidal("run", broken)
+    assert "not valid YAML" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_run_writes_the_report(tmp_path):
+    report = tmp_path / "out" / "report.json"
+    result = tidal("run", TINY, "--workers", "2", "--steps", "3", "--schedule", "zb",
+                   "--report", report)
+    assert result.returncode == 0, result.stderr
+    assert "step     2  loss" in result.stderr
+    data = json.loads(report.read_text())
+    assert [s["step"] for s in data["steps"]] == [0, 1, 2]
+    for step in data["steps"]:
+        assert float.fromhex(step["loss_hex"]) == step["loss"]
+        assert step["layout"]["pp"] == 2 and step["layout"]["schedule"] == "zb"
+        assert step["seconds"] > 0
+    assert len(data["params_sha256"]) == 64
+
+
+@pytest.mark.slow
+def test_token_file_job_is_bitwise_across_layouts(tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    made = tidal("data", "synth", tokens, "--tokens", "50000", "--vocab", "256")
+    assert made.returncode == 0, made.stderr
+    assert tokens.stat().st_size == 2 * 50000
+
+    def mutate(doc):
+        doc["spec"]["training"]["data"] = {"kind": "tokens", "path": str(tokens)}
+    job = _write_job(tmp_path, mutate)
+    reports = []
+    for workers, partition in ((1, None), (3, "1,4,3")):
+        report = tmp_path / f"r{workers}.json"
+        extra = ["--partition", partition] if partition else []
+        result = tidal("run", job, "--workers", workers, "--steps", "4", "--report", report, *extra)
+        assert result.returncode == 0, result.stderr
+        reports.append(json.loads(report.read_text()))
+    one, three = reports
+    assert [s["loss_hex"] for s in one["steps"]] == [s["loss_hex"] for s in three["steps"]]
+    assert one["params_sha256"] == three["params_sha256"]
