@@ -38,6 +38,23 @@ def _parse_partition(text: str | None) -> tuple[int, ...] | None:
     return parts
 
 
+def _resume_dir(job: ElasticTrainingJob, resume: str) -> Path:
+    from tidal_agent import checkpoint
+
+    if resume != "latest":
+        path = Path(resume)
+        if not (path / checkpoint.MARKER).is_file():
+            raise JobSpecError(f"--resume {resume}: not a complete Tidal checkpoint directory")
+        return path
+    root = job.spec.checkpoint.path
+    found = checkpoint.latest(root) if root else None
+    if found is None:
+        raise JobSpecError(
+            f"--resume latest: no complete checkpoint under spec.checkpoint.path ({root})"
+        )
+    return found[1]
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Tidal: elastic pipeline-parallel LLM training."""
@@ -50,8 +67,9 @@ def main() -> None:
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the JSON report here.")
 @click.option("--schedule", type=click.Choice([k.value for k in ScheduleKind]), help="Force a pipeline schedule.")
 @click.option("--partition", help="Force units per stage, e.g. 2,3,1.")
+@click.option("--resume", help="Resume from a checkpoint directory, or 'latest' under spec.checkpoint.path.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent worker is an error.")
-def run(job_file, workers, steps, report, schedule, partition, timeout_s) -> None:
+def run(job_file, workers, steps, report, schedule, partition, resume, timeout_s) -> None:
     """Train JOB_FILE with N local worker processes and report per-step losses."""
     from tidal_agent.runner import RunError, resolve_layout, run_local  # torch loads here
 
@@ -62,6 +80,7 @@ def run(job_file, workers, steps, report, schedule, partition, timeout_s) -> Non
         layout = resolve_layout(
             job, workers=workers, schedule=schedule, partition=_parse_partition(partition)
         )
+        resume_from = _resume_dir(job, resume) if resume else None
         if steps > job.spec.training.steps:
             raise JobSpecError(
                 f"--steps {steps} exceeds spec.training.steps ({job.spec.training.steps}), "
@@ -89,7 +108,8 @@ def run(job_file, workers, steps, report, schedule, partition, timeout_s) -> Non
 
         try:
             result = run_local(
-                job, layout, steps=steps, report_path=report, on_step=on_step, timeout_s=timeout_s
+                job, layout, steps=steps, report_path=report, on_step=on_step,
+                timeout_s=timeout_s, resume_from=resume_from,
             )
         except RunError as err:
             first = str(err).splitlines()[0]

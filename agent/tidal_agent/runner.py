@@ -68,8 +68,13 @@ def run_local(
     clip_mode: ClipMode = ClipMode.GLOBAL_ORDER,
     timeout_s: float = 120.0,
     threads: int = 1,
+    resume_from: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Train ``job`` for ``steps`` steps in ``layout``; return the report."""
+    """Train ``job`` up to step ``steps`` in ``layout``; return the report.
+
+    With ``resume_from`` (a checkpoint directory) training continues from the step it was saved
+    at, in this layout whatever the layout that saved it. ``spec.checkpoint`` sets periodic saves.
+    """
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s), use_libuv=True,
@@ -83,6 +88,9 @@ def run_local(
         timeout_s=timeout_s,
         threads=threads,
         clip_mode=clip_mode,
+        resume_from=str(resume_from) if resume_from else None,
+        checkpoint_root=job.spec.checkpoint.path,
+        checkpoint_every=job.spec.checkpoint.every_steps,
     )
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
@@ -106,7 +114,9 @@ def run_local(
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
     try:
-        step_events, digests = _collect(procs, events, layout.world_size, on_step, timeout_s)
+        step_events, digests, saved = _collect(
+            procs, events, layout.world_size, on_step, timeout_s
+        )
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -120,6 +130,8 @@ def run_local(
         "layout": layout.to_dict(),
         "steps": step_events,
         "params_sha256": params_sha256(digests, num_params),
+        "resumed_from": str(resume_from) if resume_from else None,
+        "checkpoints": saved,
         "seconds_total": time.perf_counter() - started,
     }
     if report_path is not None:
@@ -132,6 +144,7 @@ def run_local(
 def _collect(procs, events, world: int, on_step: StepCallback | None, timeout_s: float):
     """Read worker events until every rank is done; fail fast on an error or a dead worker."""
     steps: list[dict[str, Any]] = []
+    saved: list[str] = []
     digests: dict[int, tuple[str, str]] = {}
     done: set[int] = set()
     last_event = time.monotonic()
@@ -151,10 +164,12 @@ def _collect(procs, events, world: int, on_step: StepCallback | None, timeout_s:
             steps.append(payload)
             if on_step is not None:
                 on_step(payload)
+        elif kind == "checkpoint":
+            saved.append(payload)
         elif kind == "done":
             digests.update(payload)
             done.add(rank)
-    return steps, digests
+    return steps, digests, saved
 
 
 def _check_alive(procs, done: set[int]) -> None:

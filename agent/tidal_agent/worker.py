@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tidal_agent import checkpoint
 from tidal_agent.optim import ClipMode
 from tidal_agent.trainer import Trainer
 from tidal_api import JobSpec
@@ -33,6 +34,9 @@ class WorkerOptions:
     timeout_s: float = 120.0
     threads: int = 1
     clip_mode: ClipMode = ClipMode.GLOBAL_ORDER
+    resume_from: str | None = None  # a checkpoint directory
+    checkpoint_root: str | None = None
+    checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
 
 
 def worker_main(rank: int, spec_json: str, layout: Layout, opts: WorkerOptions, events) -> None:
@@ -75,8 +79,9 @@ def _run(rank: int, spec: JobSpec, layout: Layout, opts: WorkerOptions, events) 
         backend=opts.backend,
         clip_mode=opts.clip_mode,
     )
-    events.put(("ready", rank, None))
-    for step in range(opts.steps):
+    start = checkpoint.load(trainer, opts.resume_from) if opts.resume_from else 0
+    events.put(("ready", rank, start))
+    for step in range(start, opts.steps):
         started = time.perf_counter()
         result = trainer.step(step)
         if device.type == "cuda":
@@ -84,6 +89,11 @@ def _run(rank: int, spec: JobSpec, layout: Layout, opts: WorkerOptions, events) 
         seconds = time.perf_counter() - started
         if rank == 0:
             events.put(("step", rank, _step_event(result, seconds, layout)))
+        done = step + 1
+        if opts.checkpoint_every and opts.checkpoint_root and done % opts.checkpoint_every == 0:
+            path = checkpoint.save(trainer, opts.checkpoint_root, done, layout.describe())
+            if rank == 0:
+                events.put(("checkpoint", rank, str(path)))
     events.put(("done", rank, trainer.parameter_digests()))
 
 

@@ -1,0 +1,93 @@
+"""Distributed checkpoints that reload into any layout.
+
+A checkpoint is a torch.distributed.checkpoint (DCP) directory keyed by global names: every
+parameter (``blocks.3.mlp.fc1.weight``) and its AdamW state (``…/exp_avg``, ``…/exp_avg_sq``,
+``…/step``). Each rank writes the entries of the units it holds, and on load asks for the
+entries of the units it holds in the new layout, so a job saved with 2 workers resumes with 3.
+Nothing else needs saving: data, learning rate and dropout are functions of the step.
+
+Directories are ``<root>/step-<N>``; a ``tidal.json`` written last by rank 0 marks one as
+complete, so a crash during a save never leaves a checkpoint that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from tidal_agent.trainer import Trainer
+
+MARKER = "tidal.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def latest(root: str | Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint under ``root`` as (steps done, directory), if any."""
+    found = []
+    root = Path(root)
+    if root.is_dir():
+        for child in root.iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and (child / MARKER).is_file():
+                found.append((int(match.group(1)), child))
+    return max(found) if found else None
+
+
+def _state(trainer: Trainer, *, materialise: bool) -> dict[str, torch.Tensor]:
+    """Flat state of this rank's parameters and AdamW moments under global names."""
+    state: dict[str, torch.Tensor] = {}
+    for name, param in trainer.named_params:
+        state[name] = param.data
+        opt = trainer.optimizer.state[param]
+        if materialise and not opt:
+            opt.update(
+                step=torch.zeros((), dtype=torch.float32),
+                exp_avg=torch.zeros_like(param, memory_format=torch.preserve_format),
+                exp_avg_sq=torch.zeros_like(param, memory_format=torch.preserve_format),
+            )
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            state[f"{name}/{key}"] = opt[key]
+    return state
+
+
+def save(trainer: Trainer, root: str | Path, steps_done: int, layout_description: str) -> Path:
+    """Collectively save this job's state after ``steps_done`` steps; every rank calls it."""
+    target = step_dir(root, steps_done)
+    if dist.get_rank() == 0 and target.exists():
+        shutil.rmtree(target)  # an incomplete earlier attempt at the same step
+    dist.barrier()
+    dcp.save(_state(trainer, materialise=False), checkpoint_id=target)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        meta = {"steps_done": steps_done, "layout": layout_description,
+                "num_params": trainer.num_params}
+        (target / MARKER).write_text(json.dumps(meta) + "\n")
+    dist.barrier()
+    return target
+
+
+def load(trainer: Trainer, directory: str | Path) -> int:
+    """Load a checkpoint into this rank's share of the (possibly different) layout.
+
+    Returns the number of steps done when it was saved.
+    """
+    directory = Path(directory)
+    meta = json.loads((directory / MARKER).read_text())
+    if meta["num_params"] != trainer.num_params:
+        raise ValueError(
+            f"checkpoint {directory} holds {meta['num_params']} parameters; this model has "
+            f"{trainer.num_params}: resume with the model it was saved from"
+        )
+    state = _state(trainer, materialise=True)
+    dcp.load(state, checkpoint_id=directory)
+    return int(meta["steps_done"])

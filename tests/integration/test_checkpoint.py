@@ -1,0 +1,45 @@
+"""Checkpoints reload into any layout and continue the static run bit for bit."""
+
+import pytest
+
+from tidal_agent import checkpoint
+from tidal_agent.runner import resolve_layout, run_local
+from tidal_api import parse_job
+
+pytestmark = pytest.mark.slow
+
+
+def _job(root, every):
+    return parse_job({
+        "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "c"},
+        "spec": {
+            "model": {"layers": 4, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16,
+                      "mtpHeads": 1, "dropout": 0.1},
+            "training": {"steps": 12, "globalBatchSize": 8, "microBatchSize": 2,
+                         "warmupSteps": 2, "gradClip": 0.5, "seed": 3},
+            "checkpoint": {"path": str(root), "everySteps": every},
+        },
+    })
+
+
+def test_resume_with_another_worker_count(tmp_path):
+    job = _job(tmp_path / "ckpt", every=6)
+    static = run_local(job, resolve_layout(job, workers=2), steps=12, timeout_s=60)
+    assert [p.rsplit("/", 1)[-1] for p in static["checkpoints"]] == ["step-00000006",
+                                                                      "step-00000012"]
+    assert checkpoint.latest(tmp_path / "ckpt")[0] == 12
+
+    resumed_dir = checkpoint.step_dir(tmp_path / "ckpt", 6)
+    other = _job(tmp_path / "ckpt2", every=0)
+    layout = resolve_layout(other, workers=3, schedule="zb", partition=(3, 1, 3))
+    resumed = run_local(other, layout, steps=12, timeout_s=60, resume_from=resumed_dir)
+
+    assert [s["step"] for s in resumed["steps"]] == list(range(6, 12))
+    assert [s["loss_hex"] for s in resumed["steps"]] == [s["loss_hex"] for s in static["steps"][6:]]
+    assert resumed["params_sha256"] == static["params_sha256"]
+
+
+def test_incomplete_checkpoints_are_ignored(tmp_path):
+    (tmp_path / "step-00000009").mkdir()  # no marker: a save that never finished
+    assert checkpoint.latest(tmp_path) is None
+    assert checkpoint.latest(tmp_path / "missing") is None
