@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tidal_agent.trainer import Trainer
+from tidal_agent.world import ensure_default_group
 
 MARKER = "tidal.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -63,6 +64,7 @@ def _state(trainer: Trainer, *, materialise: bool) -> dict[str, torch.Tensor]:
 def save(trainer: Trainer, root: str | Path, steps_done: int, layout_description: str) -> Path:
     """Collectively save this job's state after ``steps_done`` steps; every rank calls it."""
     target = step_dir(root, steps_done)
+    ensure_default_group(trainer.world)
     if dist.get_rank() == 0 and target.exists():
         shutil.rmtree(target)  # an incomplete earlier attempt at the same step
     dist.barrier()
@@ -89,5 +91,6 @@ def load(trainer: Trainer, directory: str | Path) -> int:
             f"{trainer.num_params}: resume with the model it was saved from"
         )
     state = _state(trainer, materialise=True)
+    ensure_default_group(trainer.world)
     dcp.load(state, checkpoint_id=directory)
     return int(meta["steps_done"])

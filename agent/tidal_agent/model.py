@@ -222,10 +222,16 @@ def _initialise(module: Unit, config: ModelConfig, seed: int) -> None:
 class StageModule(nn.Module):
     """The placement units of one pipeline stage, under their global names."""
 
-    def __init__(self, config: ModelConfig, units: range, seed: int) -> None:
+    def __init__(
+        self, config: ModelConfig, units: range, seed: int, *, initialise: bool = True
+    ) -> None:
         super().__init__()
         self.config, self.units = config, units
-        built = {u: build_unit(config, u, seed) for u in units}
+        if initialise:
+            built = {u: build_unit(config, u, seed) for u in units}
+        else:  # values arrive from a checkpoint or a reshard: skip drawing them
+            with torch.device("meta"):
+                built = {u: _construct_unit(config, u) for u in units}
         blocks = {str(u - 1): m for u, m in built.items() if isinstance(m, Block)}
         mtp = {str(u - config.layers - 2): m for u, m in built.items() if u > config.layers + 1}
         if 0 in built:
@@ -237,6 +243,8 @@ class StageModule(nn.Module):
         if mtp:
             self.mtp = nn.ModuleDict(mtp)
         self._ordered = [built[u] for u in units]
+        if not initialise:
+            self.to_empty(device="cpu")
 
     def forward(self, h: torch.Tensor | None, ctx: UnitContext):
         losses: list[torch.Tensor] = []

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from enum import Enum
 
 import torch
-import torch.distributed as dist
 
+from tidal_agent.world import World
 from tidal_api import TrainingSpec
 
 
@@ -53,12 +53,15 @@ def clip_grad_norm(
     num_params: int,
     max_norm: float,
     *,
-    group: dist.ProcessGroup | None = None,
+    world: World,
+    contributes: bool = True,
     mode: ClipMode = ClipMode.GLOBAL_ORDER,
 ) -> float:
     """Clip gradients in place to a global norm of ``max_norm``; return the norm before.
 
     ``indexed_params`` pairs each local parameter with its index in global parameter order.
+    Data-parallel replicas hold the same (reduced) gradients: only one replica
+    ``contributes`` its norms, so each entry of the reduced vector still has one contributor.
     """
     if not indexed_params:
         raise ValueError("clip_grad_norm needs at least one local parameter")
@@ -66,15 +69,35 @@ def clip_grad_norm(
     local = [torch.linalg.vector_norm(p.grad) for _, p in indexed_params]
     if mode is ClipMode.GLOBAL_ORDER:
         norms = torch.zeros(num_params, device=device)
-        norms[[i for i, _ in indexed_params]] = torch.stack(local)
-        dist.all_reduce(norms, group=group)
+        if contributes:
+            norms[[i for i, _ in indexed_params]] = torch.stack(local)
+        world.all_reduce(norms)
         total = torch.linalg.vector_norm(norms)
     else:
-        squares = torch.stack(local).square().sum()
-        dist.all_reduce(squares, group=group)
+        squares = torch.stack(local).square().sum() * (1.0 if contributes else 0.0)
+        world.all_reduce(squares)
         total = squares.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for _, p in indexed_params:
             p.grad.mul_(coef)
     return float(total)
+
+
+def reduce_replica_gradients(params: Sequence[torch.nn.Parameter], dp_world: World) -> None:
+    """Sum gradients over data-parallel replicas in replica order, the same bits everywhere.
+
+    An all-reduce may add the replicas' values in an order that depends on the buffer's size and
+    chunking, which changes with the pipeline layout; gathering every replica's gradients and
+    adding them in replica order does not.
+    """
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    parts = dp_world.all_gather(flat)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(total[offset : offset + n].view_as(p.grad))
+        offset += n

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tidal_agent.data import BatchSource
 from tidal_agent.model import StageModule, UnitContext
+from tidal_agent.world import World
 from tidal_plan.ir import Action, Kind
 from tidal_plan.layout import Layout
 
@@ -56,15 +57,20 @@ class PipelineRuntime:
         stages: dict[int, StageModule],
         batches: BatchSource,
         seed: int,
+        world: World,
         group_ranks: list[int],
         device: torch.device,
         activation_shape: tuple[int, ...],
+        mb_offset: int = 0,
     ) -> None:
         self.layout, self.pp_rank, self.stages = layout, pp_rank, stages
         self.batches, self.seed, self.device = batches, seed, device
-        self.group_ranks = group_ranks  # global rank of each pipeline rank
+        self.world = world
+        self.group_ranks = group_ranks  # world rank of each pipeline rank of this replica
         self.activation_shape = activation_shape
-        self.loss_scale = 1.0 / layout.num_micro_batches
+        # This replica's micro-batch m is micro-batch mb_offset + m of the global batch.
+        self.mb_offset = mb_offset
+        self.loss_scale = 1.0 / (layout.num_micro_batches * layout.dp)
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward_full,
@@ -81,7 +87,7 @@ class PipelineRuntime:
     def run_step(self, step: int, actions: list[Action]) -> dict[tuple[int, int], list[float]]:
         """Run one step's actions; return the loss values of this rank's loss units.
 
-        Keys are (stage, micro-batch); values are the scaled losses of the stage's loss units in
+        Keys are (stage, global micro-batch); values are the scaled losses of the stage's loss units in
         unit order. Parameter gradients are left accumulated in ``.grad``.
         """
         self._step, self._state = step, _StepState()
@@ -89,14 +95,17 @@ class PipelineRuntime:
             self._handlers[action.kind](action)
         for work, _ in self._state.sends:
             work.wait()
-        values = {key: [float(v) for v in vs] for key, vs in self._state.loss_values.items()}
+        values = {
+            (s, self.mb_offset + m): [float(v) for v in vs]
+            for (s, m), vs in self._state.loss_values.items()
+        }
         self._state = _StepState()
         return values
 
     # -- compute --------------------------------------------------------------------------
 
     def _context(self, mb: int) -> UnitContext:
-        step, device = self._step, self.device
+        step, device, mb = self._step, self.device, self.mb_offset + mb
 
         def load() -> torch.Tensor:
             return self.batches.micro_batch(step, mb).to(device, non_blocking=True)
@@ -182,14 +191,14 @@ class PipelineRuntime:
         s, m = action.stage, action.mb
         out = self._state.outputs[(s, m)].detach().contiguous()
         dst = self.group_ranks[self.layout.stage_rank(s + 1)]
-        work = dist.isend(out, dst, tag=self._tag(Kind.SEND_F, s + 1, m))
+        work = self.world.send(out, dst, self._tag(Kind.SEND_F, s + 1, m))
         self._state.sends.append((work, out))
 
     def _send_backward(self, action: Action) -> None:
         s, m = action.stage, action.mb
         gx = self._state.input_grads.pop((s, m)).contiguous()
         dst = self.group_ranks[self.layout.stage_rank(s - 1)]
-        work = dist.isend(gx, dst, tag=self._tag(Kind.SEND_B, s - 1, m))
+        work = self.world.send(gx, dst, self._tag(Kind.SEND_B, s - 1, m))
         self._state.sends.append((work, gx))
 
     def _recv(self, action: Action) -> None:
@@ -197,7 +206,7 @@ class PipelineRuntime:
         src_stage = s - 1 if action.kind is Kind.RECV_F else s + 1
         src = self.group_ranks[self.layout.stage_rank(src_stage)]
         buf = torch.empty(self.activation_shape, device=self.device)
-        work = dist.irecv(buf, src, tag=self._tag(action.kind, s, m))
+        work = self.world.recv(buf, src, self._tag(action.kind, s, m))
         self._state.pending[(action.kind, s, m)] = (work, buf)
 
     def _take_received(self, kind: Kind, s: int, m: int, local: dict) -> torch.Tensor:

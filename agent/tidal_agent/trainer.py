@@ -12,12 +12,18 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from tidal_agent.data import BatchSource, SyntheticCorpus, TokenFile
 from tidal_agent.model import ModelConfig, StageModule, global_parameter_names
-from tidal_agent.optim import ClipMode, build_adamw, clip_grad_norm, lr_at
+from tidal_agent.optim import (
+    ClipMode,
+    build_adamw,
+    clip_grad_norm,
+    lr_at,
+    reduce_replica_gradients,
+)
 from tidal_agent.runtime import PipelineRuntime
+from tidal_agent.world import World
 from tidal_api import JobSpec
 from tidal_plan.layout import Layout
 from tidal_plan.lowering import fifo_consistent
@@ -61,13 +67,23 @@ class Trainer:
         *,
         spec: JobSpec,
         layout: Layout,
-        pp_rank: int,
-        group_ranks: list[int],
+        world: World,
         device: torch.device,
-        backend: str,
         clip_mode: ClipMode = ClipMode.GLOBAL_ORDER,
+        initialise: bool = True,
     ) -> None:
-        self.spec, self.layout, self.pp_rank = spec, layout, pp_rank
+        """This world rank's share of ``layout``: world rank = replica * pp + pipeline rank.
+
+        With ``initialise=False`` parameters are left uninitialised, for a trainer whose state
+        is about to arrive from elsewhere (a checkpoint or a live reshard).
+        """
+        if world.size != layout.world_size:
+            raise ValueError(
+                f"{layout.describe()} needs {layout.world_size} workers; the world has {world.size}"
+            )
+        self.spec, self.layout, self.world = spec, layout, world
+        self.replica, self.pp_rank = divmod(world.rank, layout.pp)
+        pp_rank = self.pp_rank
         self.config = model_config(spec)
         self.clip_mode = clip_mode
         if layout.num_units != self.config.num_units:
@@ -76,7 +92,7 @@ class Trainer:
             )
         seed = spec.training.seed
         self.stages = {
-            s: StageModule(self.config, layout.stage_units(s), seed).to(device)
+            s: StageModule(self.config, layout.stage_units(s), seed, initialise=initialise).to(device)
             for s in layout.rank_stages(pp_rank)
         }
         index = {name: i for i, name in enumerate(global_parameter_names(self.config))}
@@ -86,7 +102,7 @@ class Trainer:
         self.named_params = named
         self.optimizer = build_adamw(named, spec.training)
         lowered = plan_step(layout)
-        if backend == "nccl" and not fifo_consistent(lowered):
+        if world.rendezvous.backend == "nccl" and not fifo_consistent(lowered):
             raise ValueError(
                 f"{layout.describe()}: NCCL matches messages in order and this schedule's "
                 "sends and receives are not in the same order; use gloo or another schedule"
@@ -99,10 +115,16 @@ class Trainer:
             stages=self.stages,
             batches=batch_source(spec, self.config),
             seed=seed,
-            group_ranks=group_ranks,
+            world=world,
+            group_ranks=[self.replica * layout.pp + r for r in range(layout.pp)],
             device=device,
             activation_shape=(mbs, t, self.config.d_model),
+            mb_offset=self.replica * layout.num_micro_batches,
         )
+        self.dp_world = None
+        if layout.dp > 1:
+            peers = tuple(world.members[r * layout.pp + pp_rank] for r in range(layout.dp))
+            self.dp_world = world.subgroup(f"dp{pp_rank}", peers)
         self.device = device
         self._first_loss_unit = self.config.layers + 1
         self._num_loss_units = self.config.num_units - self._first_loss_unit
@@ -112,8 +134,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_values = self.runtime.run_step(step, self.actions)
+        if self.dp_world is not None:
+            reduce_replica_gradients([p for _, p in self.named_params], self.dp_world)
         grad_norm = clip_grad_norm(
-            self.indexed_params, self.num_params, self.spec.training.grad_clip, mode=self.clip_mode
+            self.indexed_params, self.num_params, self.spec.training.grad_clip,
+            world=self.world, contributes=self.replica == 0, mode=self.clip_mode,
         )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -121,13 +146,13 @@ class Trainer:
 
     def _step_loss(self, loss_values: dict[tuple[int, int], list[float]]) -> float:
         """Sum of every loss unit's scaled loss, micro-batch-major, then over micro-batches."""
-        m_count = self.layout.num_micro_batches
+        m_count = self.layout.num_micro_batches * self.layout.dp
         table = torch.zeros(m_count, self._num_loss_units, dtype=torch.float64, device=self.device)
         for (stage, mb), values in loss_values.items():
             first = [u for u in self.layout.stage_units(stage) if u >= self._first_loss_unit]
             for unit, value in zip(first, values, strict=True):
                 table[mb, unit - self._first_loss_unit] = value
-        dist.all_reduce(table)
+        self.world.all_reduce(table)
         rows = table.cpu().tolist()
         total = 0.0
         for row in rows:

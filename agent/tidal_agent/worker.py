@@ -10,7 +10,6 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from tidal_agent import checkpoint
 from tidal_agent.optim import ClipMode
 from tidal_agent.trainer import Trainer
+from tidal_agent.world import Rendezvous, build_world
 from tidal_api import JobSpec
 from tidal_plan.layout import Layout
 
@@ -39,6 +39,10 @@ class WorkerOptions:
     checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
 
 
+def worker_id(index: int) -> str:
+    return f"worker-{index}"
+
+
 def worker_main(rank: int, spec_json: str, layout: Layout, opts: WorkerOptions, events) -> None:
     """Process entry point (spawned); never raises, reports through ``events``."""
     try:
@@ -55,29 +59,17 @@ def _run(rank: int, spec: JobSpec, layout: Layout, opts: WorkerOptions, events) 
     # Same threads in every process: part of the determinism contract.
     torch.set_num_threads(opts.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
-    timeout = timedelta(seconds=opts.timeout_s)
-    store = dist.TCPStore(
-        opts.store_host, opts.store_port, is_master=False, timeout=timeout, use_libuv=True
-    )
+    rendezvous = Rendezvous(host=opts.store_host, port=opts.store_port, prefix=opts.store_prefix,
+                            timeout_s=opts.timeout_s, backend=opts.backend)
     device = torch.device("cpu")
     if opts.backend == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        opts.backend,
-        store=dist.PrefixStore(opts.store_prefix, store),
-        rank=rank,
-        world_size=opts.world_size,
-        timeout=timeout,
-    )
+    members = tuple(worker_id(r) for r in range(opts.world_size))
+    world = build_world(rendezvous, 0, members, worker_id(rank))
     trainer = Trainer(
-        spec=spec,
-        layout=layout,
-        pp_rank=rank,
-        group_ranks=list(range(opts.world_size)),
-        device=device,
-        backend=opts.backend,
-        clip_mode=opts.clip_mode,
+        spec=spec, layout=layout, world=world, device=device, clip_mode=opts.clip_mode,
+        initialise=opts.resume_from is None,
     )
     start = checkpoint.load(trainer, opts.resume_from) if opts.resume_from else 0
     events.put(("ready", rank, start))

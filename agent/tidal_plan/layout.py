@@ -39,7 +39,9 @@ class Layout:
     """A parallel layout of one training step.
 
     ``partition`` gives the number of contiguous placement units of each stage, in stage order;
-    it has ``pp * virtual_stages`` entries.
+    it has ``pp * virtual_stages`` entries. ``num_micro_batches`` is per data-parallel replica:
+    replica ``r`` computes global micro-batches ``r * num_micro_batches`` onwards. World rank
+    ``replica * pp + pipeline rank`` holds a position.
     """
 
     pp: int
@@ -138,12 +140,22 @@ def build_layout(
     schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B,
     partition: tuple[int, ...] | None = None,
     virtual_stages: int = 1,
+    dp: int = 1,
 ) -> Layout:
-    """A pure pipeline layout (dp = 1) over ``workers`` ranks, checked against the model size.
+    """A layout of ``workers`` ranks as ``dp`` pipeline replicas, checked against the model.
 
-    Without ``partition`` the units are split as evenly as possible over the stages.
+    ``num_micro_batches`` is the global batch's count, split evenly over the replicas. Without
+    ``partition`` the units are split as evenly as possible over the stages.
     """
     schedule = ScheduleKind(schedule)
+    if dp < 1 or workers % dp:
+        raise LayoutError(f"dp ({dp}) must divide the worker count ({workers})")
+    if num_micro_batches % dp:
+        raise LayoutError(
+            f"{num_micro_batches} micro-batches do not split over dp={dp} replicas: "
+            "make globalBatchSize / microBatchSize a multiple of dp"
+        )
+    workers //= dp
     if schedule is not ScheduleKind.INTERLEAVED:
         virtual_stages = 1
     if workers < 1:
@@ -163,9 +175,10 @@ def build_layout(
         )
     return Layout(
         pp=workers,
+        dp=dp,
         partition=tuple(partition),
         micro_batch_size=micro_batch_size,
-        num_micro_batches=num_micro_batches,
+        num_micro_batches=num_micro_batches // dp,
         schedule=schedule,
         virtual_stages=virtual_stages,
     )

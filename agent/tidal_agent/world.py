@@ -1,0 +1,145 @@
+"""Communication worlds, one per generation of a job's membership.
+
+A ``World`` is a process group over an ordered tuple of member ids, built directly on a
+``PrefixStore`` of the job's long-lived rendezvous store (``gen<g>/<name>/``). Unlike the
+default process group, any number of worlds can exist at once, so the next generation's world
+can be built in a background thread while the current one trains, and subgroups (the DP group
+of a pipeline rank) need no participation from non-members.
+
+Checkpoints go through torch.distributed.checkpoint, which wants the default process group:
+``ensure_default_group`` (re)initialises it for the current generation on demand.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rendezvous:
+    """Where the job's long-lived store is, and how long to wait on anything."""
+
+    host: str
+    port: int
+    prefix: str
+    timeout_s: float = 120.0
+    backend: str = "gloo"
+
+    def connect(self) -> dist.Store:
+        store = dist.TCPStore(
+            self.host, self.port, is_master=False,
+            timeout=timedelta(seconds=self.timeout_s), use_libuv=True,
+        )
+        return dist.PrefixStore(self.prefix, store)
+
+
+@dataclass(eq=False)
+class World:
+    generation: int
+    members: tuple[str, ...]
+    rank: int
+    pg: dist.ProcessGroup
+    store: dist.Store = field(repr=False)
+    rendezvous: Rendezvous = field(repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        return self.pg.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
+        return self.pg.recv([tensor], src, tag)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self.pg.allreduce([tensor]).wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.pg.allgather([out], [tensor]).wait()
+        return out
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))
+
+    def subgroup(self, name: str, members: tuple[str, ...]) -> World:
+        """A world over some of this world's members (every one of them must call this)."""
+        return build_world(self.rendezvous, self.generation, members, self.members[self.rank],
+                           name=name, store=self.store)
+
+
+def build_world(
+    rendezvous: Rendezvous,
+    generation: int,
+    members: tuple[str, ...],
+    me: str,
+    *,
+    name: str = "train",
+    store: dist.Store | None = None,
+) -> World:
+    """Join the world of ``members`` for ``generation``; blocks until every member joins."""
+    if me not in members:
+        raise ValueError(f"worker {me} is not a member of generation {generation}: {members}")
+    store = store if store is not None else rendezvous.connect()
+    prefixed = dist.PrefixStore(f"gen{generation}/{name}/", store)
+    rank, size = members.index(me), len(members)
+    timeout = timedelta(seconds=rendezvous.timeout_s)
+    if rendezvous.backend == "nccl":
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    return World(generation=generation, members=members, rank=rank, pg=pg, store=store,
+                 rendezvous=rendezvous)
+
+
+class WorldBuilder:
+    """Builds a world in a background thread, so training goes on meanwhile."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._result: World | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=args, kwargs=kwargs, daemon=True)
+        self.started = time.perf_counter()
+        self._thread.start()
+
+    def _run(self, *args, **kwargs) -> None:
+        try:
+            self._result = build_world(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            self._error = err
+
+    def result(self, timeout_s: float) -> World:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"building the next world took more than {timeout_s:.0f} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+_default_generation: int | None = None
+
+
+def ensure_default_group(world: World) -> None:
+    """Make the default process group this world's, for APIs that need it (DCP)."""
+    global _default_generation
+    if _default_generation == world.generation and dist.is_initialized():
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(
+        world.rendezvous.backend,
+        store=dist.PrefixStore(f"gen{world.generation}/default/", world.store),
+        rank=world.rank,
+        world_size=world.size,
+        timeout=timedelta(seconds=world.rendezvous.timeout_s),
+    )
+    _default_generation = world.generation
