@@ -17,7 +17,6 @@ import re
 import shutil
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -44,23 +43,6 @@ def latest(root: str | Path) -> tuple[int, Path] | None:
     return max(found) if found else None
 
 
-def _state(trainer: Trainer, *, materialise: bool) -> dict[str, torch.Tensor]:
-    """Flat state of this rank's parameters and AdamW moments under global names."""
-    state: dict[str, torch.Tensor] = {}
-    for name, param in trainer.named_params:
-        state[name] = param.data
-        opt = trainer.optimizer.state[param]
-        if materialise and not opt:
-            opt.update(
-                step=torch.zeros((), dtype=torch.float32),
-                exp_avg=torch.zeros_like(param, memory_format=torch.preserve_format),
-                exp_avg_sq=torch.zeros_like(param, memory_format=torch.preserve_format),
-            )
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            state[f"{name}/{key}"] = opt[key]
-    return state
-
-
 def save(trainer: Trainer, root: str | Path, steps_done: int, layout_description: str) -> Path:
     """Collectively save this job's state after ``steps_done`` steps; every rank calls it."""
     target = step_dir(root, steps_done)
@@ -68,7 +50,7 @@ def save(trainer: Trainer, root: str | Path, steps_done: int, layout_description
     if dist.get_rank() == 0 and target.exists():
         shutil.rmtree(target)  # an incomplete earlier attempt at the same step
     dist.barrier()
-    dcp.save(_state(trainer, materialise=False), checkpoint_id=target)
+    dcp.save(trainer.state_tensors(), checkpoint_id=target)
     dist.barrier()
     if dist.get_rank() == 0:
         meta = {"steps_done": steps_done, "layout": layout_description,
@@ -90,7 +72,7 @@ def load(trainer: Trainer, directory: str | Path) -> int:
             f"checkpoint {directory} holds {meta['num_params']} parameters; this model has "
             f"{trainer.num_params}: resume with the model it was saved from"
         )
-    state = _state(trainer, materialise=True)
+    state = trainer.state_tensors()
     ensure_default_group(trainer.world)
     dcp.load(state, checkpoint_id=directory)
     return int(meta["steps_done"])

@@ -264,11 +264,18 @@ def loss_units(config: ModelConfig) -> list[int]:
     return list(range(config.layers + 1, config.num_units))
 
 
-def global_parameter_names(config: ModelConfig) -> list[str]:
-    """Every parameter name of the whole model, in global order (unit order, then module order)."""
-    names: list[str] = []
+def global_parameters(config: ModelConfig) -> list[tuple[str, torch.Size, int]]:
+    """(name, shape, unit) of every parameter, in global order (unit order, then module order)."""
+    out = []
     for unit in range(config.num_units):
         with torch.device("meta"):
             module = _construct_unit(config, unit)
-        names.extend(f"{config.unit_name(unit)}.{n}" for n, _ in module.named_parameters())
-    return names
+        out.extend(
+            (f"{config.unit_name(unit)}.{n}", p.shape, unit) for n, p in module.named_parameters()
+        )
+    return out
+
+
+def global_parameter_names(config: ModelConfig) -> list[str]:
+    """Every parameter name of the whole model, in global order."""
+    return [name for name, _, _ in global_parameters(config)]

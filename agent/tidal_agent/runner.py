@@ -1,9 +1,10 @@
 """The local runner: a training job as worker processes on this machine.
 
-``run_local`` hosts the rendezvous store, spawns one process per worker, shows progress from the
-events they send, and returns (and optionally writes) the JSON report: per step the loss (also as
-``float.hex``), layout and seconds, and ``params_sha256`` over every final parameter in global
-order.
+The launcher hosts the job's long-lived rendezvous store and spawns one process per worker
+that will ever take part, joiners included (they wait in standby until their generation).
+It shows progress from the events they send and returns (and optionally writes) the JSON
+report: per step the loss (also as ``float.hex``), layout and seconds; per reconfiguration its
+timings and bytes; and ``params_sha256`` over every final parameter in global order.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
 from tidal_agent.trainer import model_config, params_sha256
 from tidal_agent.worker import WorkerOptions, worker_main
+from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob
+from tidal_plan.elastic import Generation, all_workers, generations
 from tidal_plan.layout import Layout, ScheduleKind, build_layout
 
 
 class RunError(RuntimeError):
-    """A run that failed; the message names the rank and the cause."""
+    """A run that failed; the message names the worker and the cause."""
 
 
 def resolve_layout(
@@ -58,9 +61,16 @@ def resolve_layout(
 StepCallback = Callable[[dict[str, Any]], None]
 
 
-def run_local(
+def run_local(job: ElasticTrainingJob, layout: Layout, **kwargs) -> dict[str, Any]:
+    """Train ``job`` in one fixed ``layout``; see ``run_elastic`` for the arguments."""
+    members = tuple(f"worker-{i}" for i in range(layout.world_size))
+    return run_elastic(job, [Generation(index=0, at_step=0, members=members)], [layout], **kwargs)
+
+
+def run_elastic(
     job: ElasticTrainingJob,
-    layout: Layout,
+    gens: list[Generation],
+    layouts: list[Layout],
     *,
     steps: int,
     report_path: str | Path | None = None,
@@ -69,44 +79,46 @@ def run_local(
     timeout_s: float = 120.0,
     threads: int = 1,
     resume_from: str | Path | None = None,
+    bucket_bytes: int = 64 << 20,
 ) -> dict[str, Any]:
-    """Train ``job`` up to step ``steps`` in ``layout``; return the report.
+    """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
     With ``resume_from`` (a checkpoint directory) training continues from the step it was saved
-    at, in this layout whatever the layout that saved it. ``spec.checkpoint`` sets periodic saves.
+    at, in the first generation's layout whatever the layout that saved it. ``spec.checkpoint``
+    sets periodic saves.
     """
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s), use_libuv=True,
     )
     opts = WorkerOptions(
-        store_host="127.0.0.1",
-        store_port=store.port,
-        store_prefix=f"run-{os.getpid()}-{time.monotonic_ns()}/",
-        world_size=layout.world_size,
+        rendezvous=Rendezvous(host="127.0.0.1", port=store.port,
+                              prefix=f"run-{os.getpid()}-{time.monotonic_ns()}/",
+                              timeout_s=timeout_s),
+        generations=tuple(gens),
+        layouts=tuple(layouts),
         steps=steps,
-        timeout_s=timeout_s,
         threads=threads,
         clip_mode=clip_mode,
         resume_from=str(resume_from) if resume_from else None,
         checkpoint_root=job.spec.checkpoint.path,
         checkpoint_every=job.spec.checkpoint.every_steps,
+        bucket_bytes=bucket_bytes,
     )
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     spec_json = job.spec.model_dump_json()
-    procs = [
-        ctx.Process(
-            target=worker_main, args=(rank, spec_json, layout, opts, events),
-            name=f"tidal-worker-{rank}", daemon=True,
-        )
-        for rank in range(layout.world_size)
-    ]
+    workers = all_workers(gens)
+    procs = {
+        me: ctx.Process(target=worker_main, args=(me, spec_json, opts, events),
+                        name=f"tidal-{me}", daemon=True)
+        for me in workers
+    }
     started = time.perf_counter()
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the spawned interpreters
     try:
-        for proc in procs:
+        for proc in procs.values():
             proc.start()
     finally:
         if env_threads is None:
@@ -114,11 +126,9 @@ def run_local(
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
     try:
-        step_events, digests, saved = _collect(
-            procs, events, layout.world_size, on_step, timeout_s
-        )
+        collected = _collect(procs, events, on_step, timeout_s)
     finally:
-        for proc in procs:
+        for proc in procs.values():
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
@@ -126,12 +136,13 @@ def run_local(
     num_params = len(global_parameter_names(model_config(job.spec)))
     report = {
         "job": job.metadata.name,
-        "workers": layout.world_size,
-        "layout": layout.to_dict(),
-        "steps": step_events,
-        "params_sha256": params_sha256(digests, num_params),
+        "workers": len(gens[-1].members),
+        "layout": layouts[-1].to_dict(),
+        "steps": collected.steps,
+        "reconfigurations": collected.reconfigurations,
+        "params_sha256": params_sha256(collected.digests, num_params),
         "resumed_from": str(resume_from) if resume_from else None,
-        "checkpoints": saved,
+        "checkpoints": collected.checkpoints,
         "seconds_total": time.perf_counter() - started,
     }
     if report_path is not None:
@@ -141,45 +152,63 @@ def run_local(
     return report
 
 
-def _collect(procs, events, world: int, on_step: StepCallback | None, timeout_s: float):
-    """Read worker events until every rank is done; fail fast on an error or a dead worker."""
-    steps: list[dict[str, Any]] = []
-    saved: list[str] = []
-    digests: dict[int, tuple[str, str]] = {}
-    done: set[int] = set()
+class _Collected:
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.reconfigurations: list[dict[str, Any]] = []
+        self.checkpoints: list[str] = []
+        self.digests: dict[int, tuple[str, str]] = {}
+
+
+def _collect(procs, events, on_step: StepCallback | None, timeout_s: float) -> _Collected:
+    """Read worker events until every worker has finished or left; fail fast on any error."""
+    out = _Collected()
+    finished: set[str] = set()
     last_event = time.monotonic()
-    while len(done) < world:
+    while len(finished) < len(procs):
         try:
-            kind, rank, payload, *detail = events.get(timeout=0.5)
+            kind, me, payload, *detail = events.get(timeout=0.5)
         except queue.Empty:
-            _check_alive(procs, done)
+            _check_alive(procs, finished)
             if time.monotonic() - last_event > timeout_s:
                 raise RunError(f"no progress from any worker for {timeout_s:.0f} s") from None
             continue
         last_event = time.monotonic()
         if kind == "error":
             _stop(procs)
-            raise RunError(f"worker {rank} failed: {payload}\n{detail[0] if detail else ''}")
+            raise RunError(f"{me} failed: {payload}\n{detail[0] if detail else ''}")
         if kind == "step":
-            steps.append(payload)
+            out.steps.append(payload)
             if on_step is not None:
                 on_step(payload)
+        elif kind == "reconfig":
+            out.reconfigurations.append(payload)
         elif kind == "checkpoint":
-            saved.append(payload)
+            out.checkpoints.append(payload)
         elif kind == "done":
-            digests.update(payload)
-            done.add(rank)
-    return steps, digests, saved
+            out.digests.update(payload)
+            finished.add(me)
+        elif kind == "left":
+            finished.add(me)
+    return out
 
 
-def _check_alive(procs, done: set[int]) -> None:
-    for rank, proc in enumerate(procs):
-        if rank not in done and proc.exitcode is not None:
+def _check_alive(procs, finished: set[str]) -> None:
+    for me, proc in procs.items():
+        if me not in finished and proc.exitcode is not None:
             _stop(procs)
-            raise RunError(f"worker {rank} exited with code {proc.exitcode} before finishing")
+            raise RunError(f"{me} exited with code {proc.exitcode} before finishing")
 
 
 def _stop(procs) -> None:
-    for proc in procs:
+    for proc in procs.values():
         if proc.is_alive():
             proc.terminate()
+
+
+def elastic_plan(
+    job: ElasticTrainingJob, schedule: list[tuple[int, int]], *, kind: str | None = None
+) -> tuple[list[Generation], list[Layout]]:
+    """Generations and their layouts for a worker schedule like [(0, 2), (4, 3)]."""
+    gens = generations(schedule)
+    return gens, [resolve_layout(job, workers=len(g.members), schedule=kind) for g in gens]

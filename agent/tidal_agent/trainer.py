@@ -53,6 +53,9 @@ def batch_source(spec: JobSpec, config: ModelConfig) -> BatchSource:
     return BatchSource(corpus, t.micro_batch_size)
 
 
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     step: int
@@ -159,6 +162,28 @@ class Trainer:
             for value in row:
                 total += value
         return total / m_count
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's training state under global names: parameters and AdamW moments.
+
+        Keys are ``name``, ``name/exp_avg``, ``name/exp_avg_sq`` and ``name/step``; values are the
+        live tensors, so loading into them (a checkpoint, a reshard) sets the state in place.
+        AdamW state that does not exist yet (before the first step) is created as zeros, which
+        is what AdamW starts from anyway.
+        """
+        state: dict[str, torch.Tensor] = {}
+        for name, param in self.named_params:
+            state[name] = param.data
+            opt = self.optimizer.state[param]
+            if not opt:
+                opt.update(
+                    step=torch.zeros((), dtype=torch.float32),
+                    exp_avg=torch.zeros_like(param, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(param, memory_format=torch.preserve_format),
+                )
+            for key in STATE_KEYS:
+                state[f"{name}/{key}"] = opt[key]
+        return state
 
     def parameter_digests(self) -> dict[int, tuple[str, str]]:
         """sha256 of each local parameter's bytes, keyed by global index."""

@@ -1,7 +1,14 @@
-"""A worker process: joins the job's process group and trains its share of the layout.
+"""A worker process: trains its share of each generation it belongs to, and switches live.
 
-Events go back to the launcher on a queue: per-step results from rank 0, parameter digests
-from every rank at the end, and an error line from a rank that fails.
+Events go back to the launcher on a queue: per-step results and reconfiguration timings from
+the leader (``worker-0``, rank 0 of every world), checkpoint paths, parameter digests from
+every final member, ``left`` from a worker released by a shrink, and an error line from a
+worker that fails.
+
+A switch to generation g+1 happens between two steps, at the same step on every member. The
+world of g+1 is built in a background thread while generation g trains; joiners wait in it
+(standby) until the old members arrive. State moves over the larger of the two worlds (the new
+one when growing, the old one when shrinking), then leavers exit and the others go on.
 """
 
 from __future__ import annotations
@@ -10,92 +17,155 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
-
 import torch
-import torch.distributed as dist
 
 from tidal_agent import checkpoint
 from tidal_agent.optim import ClipMode
-from tidal_agent.trainer import Trainer
-from tidal_agent.world import Rendezvous, build_world
+from tidal_agent.switch import execute_reshard, state_metadata
+from tidal_agent.trainer import Trainer, model_config
+from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world
 from tidal_api import JobSpec
+from tidal_plan.elastic import Generation
 from tidal_plan.layout import Layout
+from tidal_plan.reshard import Placement, plan_reshard
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerOptions:
-    store_host: str
-    store_port: int
-    store_prefix: str
-    world_size: int
+    rendezvous: Rendezvous
+    generations: tuple[Generation, ...]
+    layouts: tuple[Layout, ...]  # one per generation
     steps: int
-    backend: str = "gloo"
-    timeout_s: float = 120.0
     threads: int = 1
     clip_mode: ClipMode = ClipMode.GLOBAL_ORDER
     resume_from: str | None = None  # a checkpoint directory
     checkpoint_root: str | None = None
     checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
+    bucket_bytes: int = 64 << 20  # in flight per worker during a reshard
 
 
-def worker_id(index: int) -> str:
-    return f"worker-{index}"
-
-
-def worker_main(rank: int, spec_json: str, layout: Layout, opts: WorkerOptions, events) -> None:
+def worker_main(me: str, spec_json: str, opts: WorkerOptions, events) -> None:
     """Process entry point (spawned); never raises, reports through ``events``."""
     try:
-        _run(rank, JobSpec.model_validate_json(spec_json), layout, opts, events)
+        _Worker(me, JobSpec.model_validate_json(spec_json), opts, events).run()
     except BaseException as err:  # noqa: BLE001 - the launcher needs every failure, with cause
-        events.put(("error", rank, f"{type(err).__name__}: {err}", traceback.format_exc()))
+        events.put(("error", me, f"{type(err).__name__}: {err}", traceback.format_exc()))
         raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
-def _run(rank: int, spec: JobSpec, layout: Layout, opts: WorkerOptions, events) -> None:
-    # Same threads in every process: part of the determinism contract.
-    torch.set_num_threads(opts.threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
-    rendezvous = Rendezvous(host=opts.store_host, port=opts.store_port, prefix=opts.store_prefix,
-                            timeout_s=opts.timeout_s, backend=opts.backend)
-    device = torch.device("cpu")
-    if opts.backend == "nccl":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    members = tuple(worker_id(r) for r in range(opts.world_size))
-    world = build_world(rendezvous, 0, members, worker_id(rank))
-    trainer = Trainer(
-        spec=spec, layout=layout, world=world, device=device, clip_mode=opts.clip_mode,
-        initialise=opts.resume_from is None,
-    )
-    start = checkpoint.load(trainer, opts.resume_from) if opts.resume_from else 0
-    events.put(("ready", rank, start))
-    for step in range(start, opts.steps):
+class _Worker:
+    def __init__(self, me: str, spec: JobSpec, opts: WorkerOptions, events) -> None:
+        self.me, self.spec, self.opts, self.events = me, spec, opts, events
+        # Same threads in every process: part of the determinism contract.
+        torch.set_num_threads(opts.threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
+        self.device = torch.device("cpu")
+        if opts.rendezvous.backend == "nccl":
+            self.device = torch.device("cuda", int(me.rsplit("-", 1)[1]) % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        self.metas = state_metadata(model_config(spec))
+        self._last_step_end: float | None = None
+
+    @property
+    def leader(self) -> bool:
+        return self.me == self.opts.generations[0].members[0]
+
+    def _trainer(self, gen: Generation, world: World, *, initialise: bool) -> Trainer:
+        return Trainer(spec=self.spec, layout=self.opts.layouts[gen.index], world=world,
+                       device=self.device, clip_mode=self.opts.clip_mode, initialise=initialise)
+
+    def run(self) -> None:
+        gens, opts = self.opts.generations, self.opts
+        gen = next(g for g in gens if self.me in g.members)
+        if gen.index == 0:
+            world = build_world(opts.rendezvous, 0, gen.members, self.me)
+            trainer = self._trainer(gen, world, initialise=opts.resume_from is None)
+            step = checkpoint.load(trainer, opts.resume_from) if opts.resume_from else 0
+        else:  # a joiner: standby in the new world until the old members arrive
+            world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
+            trainer = self._trainer(gen, world, initialise=False)
+            old = gens[gen.index - 1]
+            self._reshard(old, gen, world, None, trainer)
+            step = gen.at_step
+        self.events.put(("ready", self.me, step))
+        builder = self._next_builder(gen)
+        while step < opts.steps:
+            following = gens[gen.index + 1] if gen.index + 1 < len(gens) else None
+            if following is not None and step == following.at_step:
+                trainer, world = self._switch(gen, following, trainer, world, builder)
+                if trainer is None:
+                    self.events.put(("left", self.me, step))
+                    return
+                gen, builder = following, self._next_builder(following)
+                continue
+            self._train_step(trainer, step)
+            step += 1
+        self.events.put(("done", self.me, trainer.parameter_digests()))
+
+    def _train_step(self, trainer: Trainer, step: int) -> None:
         started = time.perf_counter()
         result = trainer.step(step)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
-        if rank == 0:
-            events.put(("step", rank, _step_event(result, seconds, layout)))
-        done = step + 1
+        self._last_step_end = time.perf_counter()
+        if self.leader:
+            self.events.put(("step", self.me, {
+                "step": result.step, "loss": result.loss, "loss_hex": float.hex(result.loss),
+                "grad_norm": result.grad_norm, "lr": result.lr, "seconds": seconds,
+                "layout": trainer.layout.to_dict(),
+            }))
+        done, opts = step + 1, self.opts
         if opts.checkpoint_every and opts.checkpoint_root and done % opts.checkpoint_every == 0:
-            path = checkpoint.save(trainer, opts.checkpoint_root, done, layout.describe())
-            if rank == 0:
-                events.put(("checkpoint", rank, str(path)))
-    events.put(("done", rank, trainer.parameter_digests()))
+            path = checkpoint.save(trainer, opts.checkpoint_root, done, trainer.layout.describe())
+            if self.leader:
+                self.events.put(("checkpoint", self.me, str(path)))
 
+    def _next_builder(self, gen: Generation) -> WorldBuilder | None:
+        """Start building the next generation's world now, while this one trains."""
+        gens = self.opts.generations
+        if gen.index + 1 >= len(gens) or self.me not in gens[gen.index + 1].members:
+            return None
+        following = gens[gen.index + 1]
+        return WorldBuilder(self.opts.rendezvous, following.index, following.members, self.me)
 
-def _step_event(result, seconds: float, layout: Layout) -> dict[str, Any]:
-    return {
-        "step": result.step,
-        "loss": result.loss,
-        "loss_hex": float.hex(result.loss),
-        "grad_norm": result.grad_norm,
-        "lr": result.lr,
-        "seconds": seconds,
-        "layout": layout.to_dict(),
-    }
+    def _switch(self, old: Generation, new: Generation, trainer: Trainer, world: World,
+                builder: WorldBuilder | None) -> tuple[Trainer | None, World | None]:
+        paused = time.perf_counter()
+        new_world = builder.result(self.opts.rendezvous.timeout_s) if builder else None
+        world_s = time.perf_counter() - paused
+        growing = len(new.members) > len(old.members)
+        transition = new_world if growing else world
+        rebuilt = time.perf_counter()
+        new_trainer = self._trainer(new, new_world, initialise=False) if new_world else None
+        rebuild_s = time.perf_counter() - rebuilt
+        plan, stats = self._reshard(old, new, transition, trainer, new_trainer)
+        if self.leader:
+            self.events.put(("reconfig", self.me, {
+                "at_step": new.at_step,
+                "from": self.opts.layouts[old.index].to_dict(),
+                "to": self.opts.layouts[new.index].to_dict(),
+                "workers": [len(old.members), len(new.members)],
+                "pause_s": time.perf_counter() - (self._last_step_end or paused),
+                "world_s": world_s,
+                "rebuild_s": rebuild_s,
+                "transfer_s": stats.seconds,
+                "bytes_moved": plan.bytes_moved,
+                "bytes_min": plan.bytes_min,
+                "buckets": stats.buckets,
+            }))
+        return new_trainer, new_world
+
+    def _reshard(self, old: Generation, new: Generation, transition: World,
+                 old_trainer: Trainer | None, new_trainer: Trainer | None):
+        layouts = self.opts.layouts
+        plan = plan_reshard(Placement(layout=layouts[old.index], workers=old.members),
+                            Placement(layout=layouts[new.index], workers=new.members),
+                            self.metas)
+        stats = execute_reshard(
+            plan, world=transition, me=self.me,
+            old_state=old_trainer.state_tensors() if old_trainer else None,
+            new_state=new_trainer.state_tensors() if new_trainer else None,
+            bucket_bytes=self.opts.bucket_bytes,
+        )
+        return plan, stats

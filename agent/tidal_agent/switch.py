@@ -1,0 +1,89 @@
+"""The hot switch's data path: moving training state between layouts, in memory.
+
+``state_metadata`` describes every state tensor of the model for the pure planner
+(tidal_plan.reshard); ``execute_reshard`` runs a plan's buckets as batched point-to-point
+transfers over the transition world and copies locally what a worker already held.
+Parameters, AdamW moments and AdamW's step move; gradients never do (a switch happens at a step
+boundary, where there are none); data position, learning rate and dropout are functions of the
+step and need no state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tidal_agent.model import ModelConfig, global_parameters
+from tidal_agent.trainer import STATE_KEYS
+from tidal_agent.world import World
+from tidal_plan.reshard import ReshardPlan, TensorMeta, bucketize
+
+
+def state_metadata(config: ModelConfig) -> list[TensorMeta]:
+    """Every state tensor of the model, in global order, as the planner sees it."""
+    metas = []
+    for name, shape, unit in global_parameters(config):
+        numel = shape.numel()
+        metas.append(TensorMeta(name=name, unit=unit, numel=numel, itemsize=4))
+        for key in STATE_KEYS:  # AdamW's step is a scalar; the moments are parameter-shaped
+            size = 1 if key == "step" else numel
+            metas.append(TensorMeta(name=f"{name}/{key}", unit=unit, numel=size, itemsize=4))
+    return metas
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    buckets: int
+
+
+def execute_reshard(
+    plan: ReshardPlan,
+    *,
+    world: World,
+    me: str,
+    old_state: dict[str, torch.Tensor] | None,
+    new_state: dict[str, torch.Tensor] | None,
+    bucket_bytes: int,
+) -> TransferStats:
+    """Run ``plan`` on this worker: send from ``old_state``, receive into ``new_state``.
+
+    Every member of ``world`` walks the same bucket list; a bucket's sends and receives are
+    posted together and waited for before the next bucket, so at most ``bucket_bytes`` are in
+    flight per worker and the order cannot deadlock. A joiner has no ``old_state``; a leaver
+    has no ``new_state``.
+    """
+    started = time.perf_counter()
+    rank = {member: i for i, member in enumerate(world.members)}
+    sent = received = 0
+    buckets = bucketize(plan, bucket_bytes)
+    tag = 0
+    for bucket in buckets:
+        works = []
+        for transfer in bucket:
+            tag += 1
+            region = slice(transfer.region.start, transfer.region.stop)
+            if transfer.src == me:
+                piece = old_state[transfer.tensor].reshape(-1)[region].contiguous()
+                works.append((world.send(piece, rank[transfer.dst], tag), piece, None))
+                sent += transfer.nbytes
+            if transfer.dst == me:
+                target = new_state[transfer.tensor].reshape(-1)[region]
+                buf = torch.empty_like(target)
+                works.append((world.recv(buf, rank[transfer.src], tag), buf, target))
+                received += transfer.nbytes
+        for work, buf, target in works:
+            work.wait()
+            if target is not None:
+                target.copy_(buf)
+    if new_state is not None and old_state is not None:
+        incoming = {t.tensor for t in plan.transfers if t.dst == me}
+        with torch.no_grad():
+            for name, tensor in new_state.items():
+                if name not in incoming:
+                    tensor.copy_(old_state[name])
+    return TransferStats(time.perf_counter() - started, sent, received, len(buckets))
