@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tidal_api import ElasticTrainingJob, JobSpecError, parse_job
+from tidal_plan.elastic import ScheduleError, parse_worker_schedule
 from tidal_plan.layout import LayoutError, ScheduleKind
 
 _console = Console(stderr=True)
@@ -67,30 +68,47 @@ def main() -> None:
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the JSON report here.")
 @click.option("--schedule", type=click.Choice([k.value for k in ScheduleKind]), help="Force a pipeline schedule.")
 @click.option("--partition", help="Force units per stage, e.g. 2,3,1.")
+@click.option("--workers-schedule", "workers_schedule", help="Change the worker count live: STEP:WORKERS,... e.g. 0:2,4:3,8:4.")
 @click.option("--resume", help="Resume from a checkpoint directory, or 'latest' under spec.checkpoint.path.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent worker is an error.")
-def run(job_file, workers, steps, report, schedule, partition, resume, timeout_s) -> None:
-    """Train JOB_FILE with N local worker processes and report per-step losses."""
-    from tidal_agent.runner import RunError, resolve_layout, run_local  # torch loads here
+def run(job_file, workers, steps, report, schedule, partition, workers_schedule, resume,
+        timeout_s) -> None:
+    """Train JOB_FILE with N local worker processes and report per-step losses.
 
+    With --workers-schedule the worker count changes between steps without a restart; in
+    strict mode the losses stay bitwise those of a fixed worker count.
+    """
+    from tidal_agent.runner import RunError, elastic_plan, resolve_layout, run_elastic
+
+    if workers_schedule and (workers or partition):
+        raise click.ClickException("--workers-schedule replaces --workers and --partition")
     try:
         job = load_job(job_file)
         workers = workers or job.spec.workers.min
         steps = steps or job.spec.training.steps
-        layout = resolve_layout(
-            job, workers=workers, schedule=schedule, partition=_parse_partition(partition)
-        )
+        if workers_schedule:
+            entries = parse_worker_schedule(
+                workers_schedule, steps=steps, max_workers=job.spec.model.num_units
+            )
+            gens, layouts = elastic_plan(job, entries, kind=schedule)
+        else:
+            layout = resolve_layout(
+                job, workers=workers, schedule=schedule, partition=_parse_partition(partition)
+            )
+            gens, layouts = elastic_plan(job, [(0, workers)], kind=schedule)
+            layouts = [layout]
         resume_from = _resume_dir(job, resume) if resume else None
         if steps > job.spec.training.steps:
             raise JobSpecError(
                 f"--steps {steps} exceeds spec.training.steps ({job.spec.training.steps}), "
                 "which sets the LR schedule: raise it in the manifest"
             )
-    except (JobSpecError, LayoutError, ValueError) as err:
+    except (JobSpecError, LayoutError, ScheduleError, ValueError) as err:
         raise click.ClickException(str(err)) from None
 
     tokens_per_step = job.spec.training.global_batch_size * job.spec.model.seq_len
-    _console.print(f"[bold]{job.metadata.name}[/]: {layout.describe()}, {steps} steps")
+    plan = ", then ".join(f"{lay.describe()} from step {g.at_step}" for g, lay in zip(gens, layouts))
+    _console.print(f"[bold]{job.metadata.name}[/]: {plan}; {steps} steps")
     columns = (
         TextColumn("[progress.description]{task.description}"), BarColumn(),
         MofNCompleteColumn(), TimeRemainingColumn(),
@@ -101,19 +119,25 @@ def run(job_file, workers, steps, report, schedule, partition, resume, timeout_s
         def on_step(event: dict) -> None:
             rate = tokens_per_step / event["seconds"]
             progress.console.print(
-                f"step {event['step']:5d}  loss {event['loss']:.4f}  "
+                f"step {event['step']:5d}  pp{event['layout']['pp']}  loss {event['loss']:.4f}  "
                 f"{event['seconds'] * 1e3:7.1f} ms  {rate:10,.0f} tok/s"
             )
             progress.update(task, advance=1, description=f"loss {event['loss']:.4f}")
 
         try:
-            result = run_local(
-                job, layout, steps=steps, report_path=report, on_step=on_step,
+            result = run_elastic(
+                job, gens, layouts, steps=steps, report_path=report, on_step=on_step,
                 timeout_s=timeout_s, resume_from=resume_from,
             )
         except RunError as err:
             first = str(err).splitlines()[0]
             raise click.ClickException(first) from None
+    for change in result["reconfigurations"]:
+        old, new = change["workers"]
+        _console.print(
+            f"switch at step {change['at_step']}: {old} -> {new} workers, pause "
+            f"{change['pause_s'] * 1e3:.0f} ms, {change['bytes_moved'] / 2**20:.1f} MiB moved"
+        )
     times = sorted(e["seconds"] for e in result["steps"])
     median = times[len(times) // 2]
     _console.print(

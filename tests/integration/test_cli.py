@@ -80,7 +80,7 @@ def test_run_writes_the_report(tmp_path):
     result = tidal("run", TINY, "--workers", "2", "--steps", "3", "--schedule", "zb",
                    "--report", report)
     assert result.returncode == 0, result.stderr
-    assert "step     2  loss" in result.stderr
+    assert "step     2  pp2  loss" in result.stderr
     data = json.loads(report.read_text())
     assert [s["step"] for s in data["steps"]] == [0, 1, 2]
     for step in data["steps"]:

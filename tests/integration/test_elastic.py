@@ -1,0 +1,43 @@
+"""The live switch: worker counts change between steps, the bits do not."""
+
+import json
+
+import pytest
+
+from tests.integration.test_cli import TINY, tidal
+
+pytestmark = pytest.mark.slow
+
+RECONFIG_KEYS = {"at_step", "from", "to", "pause_s", "world_s", "transfer_s", "rebuild_s",
+                 "bytes_moved", "bytes_min"}
+
+
+def _report(tmp_path, name, *args):
+    path = tmp_path / f"{name}.json"
+    result = tidal("run", TINY, "--steps", "16", "--report", path, *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(path.read_text()), result.stderr
+
+
+def test_schedule_up_and_down_is_bitwise_static(tmp_path):
+    static, _ = _report(tmp_path, "static", "--workers", "2")
+    elastic, log = _report(tmp_path, "elastic", "--workers-schedule", "0:2,4:3,8:4,12:2")
+    assert [s["loss_hex"] for s in elastic["steps"]] == [s["loss_hex"] for s in static["steps"]]
+    assert elastic["params_sha256"] == static["params_sha256"]
+    assert [s["layout"]["pp"] for s in elastic["steps"]] == [2] * 4 + [3] * 4 + [4] * 4 + [2] * 4
+
+    changes = elastic["reconfigurations"]
+    assert [c["at_step"] for c in changes] == [4, 8, 12]
+    assert [(c["from"]["pp"], c["to"]["pp"]) for c in changes] == [(2, 3), (3, 4), (4, 2)]
+    for change in changes:
+        assert RECONFIG_KEYS <= change.keys()
+        assert change["bytes_moved"] == change["bytes_min"] > 0
+        assert 0 < change["pause_s"] < 30
+    assert "switch at step 12: 4 -> 2 workers" in log
+
+
+def test_zero_bubble_schedule_switches_too(tmp_path):
+    static, _ = _report(tmp_path, "static", "--workers", "3", "--schedule", "zb")
+    elastic, _ = _report(tmp_path, "elastic", "--schedule", "zb", "--workers-schedule", "0:3,5:1,9:4")
+    assert [s["loss_hex"] for s in elastic["steps"]] == [s["loss_hex"] for s in static["steps"]]
+    assert elastic["params_sha256"] == static["params_sha256"]
