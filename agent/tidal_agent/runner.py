@@ -143,6 +143,8 @@ def run_elastic(
         "params_sha256": params_sha256(collected.digests, num_params),
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
+        # launch to every worker ready: interpreters, worlds, trainers, checkpoint load
+        "startup_s": (collected.ready_at or float("nan")) - started,
         "seconds_total": time.perf_counter() - started,
     }
     if report_path is not None:
@@ -156,7 +158,8 @@ class _Collected:
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
-        self.checkpoints: list[str] = []
+        self.checkpoints: list[dict[str, Any]] = []
+        self.ready_at: float | None = None  # when the last worker reported ready
         self.digests: dict[int, tuple[str, str]] = {}
 
 
@@ -164,6 +167,7 @@ def _collect(procs, events, on_step: StepCallback | None, timeout_s: float) -> _
     """Read worker events until every worker has finished or left; fail fast on any error."""
     out = _Collected()
     finished: set[str] = set()
+    ready: set[str] = set()
     last_event = time.monotonic()
     while len(finished) < len(procs):
         try:
@@ -190,6 +194,10 @@ def _collect(procs, events, on_step: StepCallback | None, timeout_s: float) -> _
             finished.add(me)
         elif kind == "left":
             finished.add(me)
+        elif kind == "ready":
+            ready.add(me)
+            if len(ready) == len(procs):
+                out.ready_at = time.perf_counter()
     return out
 
 

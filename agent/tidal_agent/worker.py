@@ -81,13 +81,14 @@ class _Worker:
             world = build_world(opts.rendezvous, 0, gen.members, self.me)
             trainer = self._trainer(gen, world, initialise=opts.resume_from is None)
             step = checkpoint.load(trainer, opts.resume_from) if opts.resume_from else 0
+            self.events.put(("ready", self.me, step))
         else:  # a joiner: standby in the new world until the old members arrive
+            self.events.put(("ready", self.me, None))
             world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
             trainer = self._trainer(gen, world, initialise=False)
             old = gens[gen.index - 1]
             self._reshard(old, gen, world, None, trainer)
             step = gen.at_step
-        self.events.put(("ready", self.me, step))
         builder = self._next_builder(gen)
         while step < opts.steps:
             following = gens[gen.index + 1] if gen.index + 1 < len(gens) else None
@@ -117,9 +118,12 @@ class _Worker:
             }))
         done, opts = step + 1, self.opts
         if opts.checkpoint_every and opts.checkpoint_root and done % opts.checkpoint_every == 0:
+            saving = time.perf_counter()
             path = checkpoint.save(trainer, opts.checkpoint_root, done, trainer.layout.describe())
             if self.leader:
-                self.events.put(("checkpoint", self.me, str(path)))
+                self.events.put(("checkpoint", self.me, {
+                    "path": str(path), "step": done, "seconds": time.perf_counter() - saving,
+                }))
 
     def _next_builder(self, gen: Generation) -> WorldBuilder | None:
         """Start building the next generation's world now, while this one trains."""

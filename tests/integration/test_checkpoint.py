@@ -25,8 +25,9 @@ def _job(root, every):
 def test_resume_with_another_worker_count(tmp_path):
     job = _job(tmp_path / "ckpt", every=6)
     static = run_local(job, resolve_layout(job, workers=2), steps=12, timeout_s=60)
-    assert [p.rsplit("/", 1)[-1] for p in static["checkpoints"]] == ["step-00000006",
-                                                                      "step-00000012"]
+    saved = static["checkpoints"]
+    assert [c["path"].rsplit("/", 1)[-1] for c in saved] == ["step-00000006", "step-00000012"]
+    assert [c["step"] for c in saved] == [6, 12] and all(c["seconds"] > 0 for c in saved)
     assert checkpoint.latest(tmp_path / "ckpt")[0] == 12
 
     resumed_dir = checkpoint.step_dir(tmp_path / "ckpt", 6)
@@ -35,6 +36,7 @@ def test_resume_with_another_worker_count(tmp_path):
     resumed = run_local(other, layout, steps=12, timeout_s=60, resume_from=resumed_dir)
 
     assert [s["step"] for s in resumed["steps"]] == list(range(6, 12))
+    assert resumed["startup_s"] > 0
     assert [s["loss_hex"] for s in resumed["steps"]] == [s["loss_hex"] for s in static["steps"][6:]]
     assert resumed["params_sha256"] == static["params_sha256"]
 
