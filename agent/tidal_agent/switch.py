@@ -1,8 +1,9 @@
 """The hot switch's data path: moving training state between layouts, in memory.
 
 ``state_metadata`` describes every state tensor of the model for the pure planner
-(tidal_plan.reshard); ``execute_reshard`` runs a plan's buckets as batched point-to-point
-transfers over the transition world and copies locally what a worker already held.
+(tidal_plan.reshard); ``carry_over`` hands what a worker keeps to its new trainer without a
+copy; ``execute_reshard`` runs the plan's buckets as batched point-to-point transfers over the
+transition world.
 Parameters, AdamW moments and AdamW's step move; gradients never do (a switch happens at a step
 boundary, where there are none); data position, learning rate and dropout are functions of the
 step and need no state.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal_agent.model import ModelConfig, global_parameters
-from tidal_agent.trainer import STATE_KEYS
+from tidal_agent.trainer import STATE_KEYS, Trainer
 from tidal_agent.world import World
 from tidal_plan.reshard import ReshardPlan, TensorMeta, bucketize
 
@@ -50,12 +51,13 @@ def execute_reshard(
     new_state: dict[str, torch.Tensor] | None,
     bucket_bytes: int,
 ) -> TransferStats:
-    """Run ``plan`` on this worker: send from ``old_state``, receive into ``new_state``.
+    """Run ``plan``'s transfers on this worker: send from ``old_state``, receive into ``new_state``.
 
-    Every member of ``world`` walks the same bucket list; a bucket's sends and receives are
-    posted together and waited for before the next bucket, so at most ``bucket_bytes`` are in
-    flight per worker and the order cannot deadlock. A joiner has no ``old_state``; a leaver
-    has no ``new_state``.
+    Pieces go straight from and into the live tensors (contiguous regions of them), so no
+    staging memory is used. Every member of ``world`` walks the same bucket list; a bucket's
+    sends and receives are posted together and waited for before the next bucket, so at most
+    ``bucket_bytes`` are in flight per worker and the order cannot deadlock. A joiner has no
+    ``old_state``; a leaver has no ``new_state``.
     """
     started = time.perf_counter()
     rank = {member: i for i, member in enumerate(world.members)}
@@ -68,22 +70,22 @@ def execute_reshard(
             tag += 1
             region = slice(transfer.region.start, transfer.region.stop)
             if transfer.src == me:
-                piece = old_state[transfer.tensor].reshape(-1)[region].contiguous()
-                works.append((world.send(piece, rank[transfer.dst], tag), piece, None))
+                piece = old_state[transfer.tensor].view(-1)[region]
+                works.append(world.send(piece, rank[transfer.dst], tag))
                 sent += transfer.nbytes
             if transfer.dst == me:
-                target = new_state[transfer.tensor].reshape(-1)[region]
-                buf = torch.empty_like(target)
-                works.append((world.recv(buf, rank[transfer.src], tag), buf, target))
+                target = new_state[transfer.tensor].view(-1)[region]
+                works.append(world.recv(target, rank[transfer.src], tag))
                 received += transfer.nbytes
-        for work, buf, target in works:
+        for work in works:
             work.wait()
-            if target is not None:
-                target.copy_(buf)
-    if new_state is not None and old_state is not None:
-        incoming = {t.tensor for t in plan.transfers if t.dst == me}
-        with torch.no_grad():
-            for name, tensor in new_state.items():
-                if name not in incoming:
-                    tensor.copy_(old_state[name])
     return TransferStats(time.perf_counter() - started, sent, received, len(buckets))
+
+
+def carry_over(plan: ReshardPlan, me: str, old: Trainer, new: Trainer) -> int:
+    """Hand the state this worker keeps to its new trainer, without copying; return bytes."""
+    incoming = {t.tensor for t in plan.transfers if t.dst == me}
+    old_state = old.state_tensors()
+    kept = {name: old_state[name] for name in new.state_tensors() if name not in incoming}
+    new.adopt(kept)
+    return sum(t.numel() * t.element_size() for t in kept.values())

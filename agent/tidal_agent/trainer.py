@@ -104,6 +104,13 @@ class Trainer:
         self.indexed_params = [(index[n], p) for n, p in named]
         self.named_params = named
         self.optimizer = build_adamw(named, spec.training)
+        if not initialise:  # state arrives from elsewhere: allocate it now, do not fill it
+            for _, param in named:
+                self.optimizer.state[param].update(
+                    step=torch.empty((), dtype=torch.float32),
+                    exp_avg=torch.empty_like(param),
+                    exp_avg_sq=torch.empty_like(param),
+                )
         lowered = plan_step(layout)
         if world.rendezvous.backend == "nccl" and not fifo_consistent(lowered):
             raise ValueError(
@@ -184,6 +191,19 @@ class Trainer:
             for key in STATE_KEYS:
                 state[f"{name}/{key}"] = opt[key]
         return state
+
+    def adopt(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take over existing state tensors (named as in ``state_tensors``) without copying.
+
+        A worker that keeps a unit across a switch hands its old tensors to the new trainer.
+        """
+        params = dict(self.named_params)
+        for key, tensor in tensors.items():
+            name, _, entry = key.partition("/")
+            if entry:
+                self.optimizer.state[params[name]][entry] = tensor
+            else:
+                params[name].data = tensor
 
     def parameter_digests(self) -> dict[int, tuple[str, str]]:
         """sha256 of each local parameter's bytes, keyed by global index."""

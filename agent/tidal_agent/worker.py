@@ -21,13 +21,13 @@ import torch
 
 from tidal_agent import checkpoint
 from tidal_agent.optim import ClipMode
-from tidal_agent.switch import execute_reshard, state_metadata
+from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer, model_config
 from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world
 from tidal_api import JobSpec
 from tidal_plan.elastic import Generation
 from tidal_plan.layout import Layout
-from tidal_plan.reshard import Placement, plan_reshard
+from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,7 +41,7 @@ class WorkerOptions:
     resume_from: str | None = None  # a checkpoint directory
     checkpoint_root: str | None = None
     checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
-    bucket_bytes: int = 64 << 20  # in flight per worker during a reshard
+    bucket_bytes: int = 256 << 20  # in flight per worker during a reshard
 
 
 def worker_main(me: str, spec_json: str, opts: WorkerOptions, events) -> None:
@@ -86,18 +86,18 @@ class _Worker:
             self.events.put(("ready", self.me, None))
             world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
             trainer = self._trainer(gen, world, initialise=False)
-            old = gens[gen.index - 1]
-            self._reshard(old, gen, world, None, trainer)
+            plan = self._plan(gens[gen.index - 1], gen)
+            self._reshard(plan, world, None, trainer)
             step = gen.at_step
-        builder = self._next_builder(gen)
+        builder, plan = self._next_builder(gen), self._next_plan(gen)
         while step < opts.steps:
             following = gens[gen.index + 1] if gen.index + 1 < len(gens) else None
             if following is not None and step == following.at_step:
-                trainer, world = self._switch(gen, following, trainer, world, builder)
+                trainer, world = self._switch(gen, following, trainer, world, builder, plan)
                 if trainer is None:
                     self.events.put(("left", self.me, step))
                     return
-                gen, builder = following, self._next_builder(following)
+                gen, builder, plan = following, self._next_builder(following), self._next_plan(following)
                 continue
             self._train_step(trainer, step)
             step += 1
@@ -133,8 +133,20 @@ class _Worker:
         following = gens[gen.index + 1]
         return WorldBuilder(self.opts.rendezvous, following.index, following.members, self.me)
 
+    def _plan(self, old: Generation, new: Generation) -> ReshardPlan:
+        layouts = self.opts.layouts
+        return plan_reshard(Placement(layout=layouts[old.index], workers=old.members),
+                            Placement(layout=layouts[new.index], workers=new.members),
+                            self.metas)
+
+    def _next_plan(self, gen: Generation) -> ReshardPlan | None:
+        """The next switch's reshard plan, made now rather than during the pause."""
+        gens = self.opts.generations
+        return self._plan(gen, gens[gen.index + 1]) if gen.index + 1 < len(gens) else None
+
     def _switch(self, old: Generation, new: Generation, trainer: Trainer, world: World,
-                builder: WorldBuilder | None) -> tuple[Trainer | None, World | None]:
+                builder: WorldBuilder | None, plan: ReshardPlan,
+                ) -> tuple[Trainer | None, World | None]:
         paused = time.perf_counter()
         new_world = builder.result(self.opts.rendezvous.timeout_s) if builder else None
         world_s = time.perf_counter() - paused
@@ -143,7 +155,9 @@ class _Worker:
         rebuilt = time.perf_counter()
         new_trainer = self._trainer(new, new_world, initialise=False) if new_world else None
         rebuild_s = time.perf_counter() - rebuilt
-        plan, stats = self._reshard(old, new, transition, trainer, new_trainer)
+        if new_trainer is not None:
+            carry_over(plan, self.me, trainer, new_trainer)
+        stats = self._reshard(plan, transition, trainer, new_trainer)
         if self.leader:
             self.events.put(("reconfig", self.me, {
                 "at_step": new.at_step,
@@ -160,16 +174,11 @@ class _Worker:
             }))
         return new_trainer, new_world
 
-    def _reshard(self, old: Generation, new: Generation, transition: World,
-                 old_trainer: Trainer | None, new_trainer: Trainer | None):
-        layouts = self.opts.layouts
-        plan = plan_reshard(Placement(layout=layouts[old.index], workers=old.members),
-                            Placement(layout=layouts[new.index], workers=new.members),
-                            self.metas)
-        stats = execute_reshard(
+    def _reshard(self, plan: ReshardPlan, transition: World,
+                 old_trainer: Trainer | None, new_trainer: Trainer | None) -> TransferStats:
+        return execute_reshard(
             plan, world=transition, me=self.me,
             old_state=old_trainer.state_tensors() if old_trainer else None,
             new_state=new_trainer.state_tensors() if new_trainer else None,
             bucket_bytes=self.opts.bucket_bytes,
         )
-        return plan, stats
