@@ -179,8 +179,10 @@ def _collect(procs, events, on_step: StepCallback | None, timeout_s: float) -> _
             continue
         last_event = time.monotonic()
         if kind == "error":
+            lost = _lost_worker(procs, finished, besides=me)
             _stop(procs)
-            raise RunError(f"{me} failed: {payload}\n{detail[0] if detail else ''}")
+            cause = f"{me} then failed: {payload}" if lost else f"{me} failed: {payload}"
+            raise RunError(f"{lost + '; ' if lost else ''}{cause}\n{detail[0] if detail else ''}")
         if kind == "step":
             out.steps.append(payload)
             if on_step is not None:
@@ -199,6 +201,17 @@ def _collect(procs, events, on_step: StepCallback | None, timeout_s: float) -> _
             if len(ready) == len(procs):
                 out.ready_at = time.perf_counter()
     return out
+
+
+def _lost_worker(procs, finished: set[str], *, besides: str, grace_s: float = 3.0) -> str | None:
+    """A worker that died on its own: most errors a peer reports are the echo of such a loss."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        for me, proc in procs.items():
+            if me != besides and me not in finished and proc.exitcode not in (None, 0, 1):
+                return f"{me} exited with code {proc.exitcode} (lost)"
+        time.sleep(0.05)
+    return None
 
 
 def _check_alive(procs, finished: set[str]) -> None:
