@@ -230,6 +230,41 @@ def _stop(procs) -> None:
 def elastic_plan(
     job: ElasticTrainingJob, schedule: list[tuple[int, int]], *, kind: str | None = None
 ) -> tuple[list[Generation], list[Layout]]:
-    """Generations and their layouts for a worker schedule like [(0, 2), (4, 3)]."""
+    """Generations and their layouts for a worker schedule like [(0, 2), (4, 3)].
+
+    Strict consistency keeps dp = 1 and scales pp. With ``elastic: dp-pp`` and ``relaxed``
+    consistency, a worker count that is a multiple k of the first one runs k data-parallel
+    replicas of the first pipeline (when the micro-batches split evenly); other counts scale pp.
+    """
     gens = generations(schedule)
-    return gens, [resolve_layout(job, workers=len(g.members), schedule=kind) for g in gens]
+    par, base = job.spec.parallelism, len(gens[0].members)
+    micro_batches = job.spec.training.num_micro_batches
+    layouts = []
+    for gen in gens:
+        n, dp = len(gen.members), 1
+        if par.elastic == "dp-pp" and par.consistency == "relaxed" and n % base == 0:
+            dp = n // base if micro_batches % (n // base) == 0 else 1
+        if dp == 1:
+            layouts.append(resolve_layout(job, workers=n, schedule=kind))
+        else:
+            first = resolve_layout(job, workers=base, schedule=kind)
+            layouts.append(build_layout(
+                num_units=first.num_units, workers=n, dp=dp, partition=first.partition,
+                micro_batch_size=first.micro_batch_size, num_micro_batches=micro_batches,
+                schedule=first.schedule, virtual_stages=first.virtual_stages,
+            ))
+    return gens, layouts
+
+
+def loss_divergence(run: dict[str, Any], static: dict[str, Any]) -> dict[str, Any]:
+    """How far a relaxed run's losses drifted from the static run's, step by step."""
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(run["steps"], static["steps"], strict=True)]
+    return {
+        "static_workers": static["workers"],
+        "bitwise_equal": [s["loss_hex"] for s in run["steps"]]
+        == [s["loss_hex"] for s in static["steps"]],
+        "max_abs_loss_diff": max(diffs),
+        "final_abs_loss_diff": diffs[-1],
+        "max_rel_loss_diff": max(d / abs(b["loss"]) for d, b in zip(diffs, static["steps"])),
+        "params_equal": run["params_sha256"] == static["params_sha256"],
+    }

@@ -41,3 +41,25 @@ def test_zero_bubble_schedule_switches_too(tmp_path):
     elastic, _ = _report(tmp_path, "elastic", "--schedule", "zb", "--workers-schedule", "0:3,5:1,9:4")
     assert [s["loss_hex"] for s in elastic["steps"]] == [s["loss_hex"] for s in static["steps"]]
     assert elastic["params_sha256"] == static["params_sha256"]
+
+
+def test_relaxed_dp_scaling_reports_its_divergence(tmp_path):
+    import yaml
+
+    doc = yaml.safe_load(TINY.read_text())
+    doc["spec"]["parallelism"].update(elastic="dp-pp", consistency="relaxed")
+    job = tmp_path / "relaxed.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    path = tmp_path / "relaxed.json"
+    result = tidal("run", job, "--steps", "12", "--report", path,
+                   "--workers-schedule", "0:2,4:4,8:3")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(path.read_text())
+    assert [(s["layout"]["dp"], s["layout"]["pp"]) for s in report["steps"]] == (
+        [(1, 2)] * 4 + [(2, 2)] * 4 + [(1, 3)] * 4
+    )
+    d = report["divergence"]
+    assert d["static_workers"] == 2
+    assert not d["bitwise_equal"]  # dp changed the reduction order: relaxed, and it shows
+    assert 0 < d["max_abs_loss_diff"] < 1e-3
+    assert "relaxed: dp changed" in result.stderr
