@@ -63,3 +63,14 @@ def test_relaxed_dp_scaling_reports_its_divergence(tmp_path):
     assert not d["bitwise_equal"]  # dp changed the reduction order: relaxed, and it shows
     assert 0 < d["max_abs_loss_diff"] < 1e-3
     assert "relaxed: dp changed" in result.stderr
+
+
+def test_from_one_worker_to_one_per_unit_and_back(tmp_path):
+    # The extremes of [1, number of units]; a 1 MiB cap forces several buckets per switch.
+    static, _ = _report(tmp_path, "static", "--workers", "1")
+    elastic, _ = _report(tmp_path, "elastic", "--workers-schedule", "0:1,5:8,10:1",
+                         "--reshard-bucket-mib", "1")
+    assert [s["layout"]["pp"] for s in elastic["steps"]] == [1] * 5 + [8] * 5 + [1] * 6
+    assert [s["loss_hex"] for s in elastic["steps"]] == [s["loss_hex"] for s in static["steps"]]
+    assert elastic["params_sha256"] == static["params_sha256"]
+    assert all(c["buckets"] > 1 for c in elastic["reconfigurations"])
