@@ -116,8 +116,9 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
         raise click.ClickException(str(err)) from None
 
     tokens_per_step = job.spec.training.global_batch_size * job.spec.model.seq_len
-    plan = ", then ".join(f"{lay.describe()} from step {g.at_step}" for g, lay in zip(gens, layouts))
-    _console.print(f"[bold]{job.metadata.name}[/]: {plan}; {steps} steps")
+    _console.print(f"[bold]{job.metadata.name}[/]: {steps} steps")
+    for gen, lay in zip(gens, layouts, strict=True):
+        _console.print(f"  from step {gen.at_step:5d}: {len(gen.members)} workers, {lay.describe()}")
     columns = (
         TextColumn("[progress.description]{task.description}"), BarColumn(),
         MofNCompleteColumn(), TimeRemainingColumn(),
