@@ -21,6 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/reshard.py
 
 clean:
 	rm -rf $(VENV) runs

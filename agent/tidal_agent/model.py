@@ -2,9 +2,9 @@
 
 Units, in order: the embedding, ``layers`` transformer blocks, the final norm + LM head, and
 ``mtp_heads`` multi-token-prediction heads. Every unit maps a hidden state to a hidden state;
-loss units (LM head, MTP heads) also return a loss and pass the hidden state on through a view,
-so that autograd sums the gradient contributions of the loss heads pairwise in unit order
-whatever the stage boundaries are.
+loss units (LM head, MTP heads) also return a loss and pass the hidden state on through an
+identity op of their own, so that autograd sums the gradient contributions of the loss heads
+pairwise in unit order whatever the stage boundaries are.
 
 Each unit initialises from a generator seeded by (seed, unit index), and parameter names stay
 global (``blocks.5.mlp.fc1.weight``) on every stage, so every placement holds the same numbers
@@ -179,7 +179,9 @@ class LossHead(Unit):
         logits = self.proj(self.norm(h))
         targets = ctx.tokens[:, self.offset : self.offset + t]
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        return h.view_as(h), loss * self.weight
+        # The hidden state goes on through a copy, not a view: a stage output that is a view
+        # cannot be detached in place, which the split (I/W) backward does.
+        return h.clone(), loss * self.weight
 
 
 def build_unit(config: ModelConfig, unit: int, seed: int) -> Unit:

@@ -2,10 +2,12 @@
 
 It knows nothing about schedules. Every stage is its own autograd island: a stage's input is a
 leaf tensor (received, or handed over locally when the previous stage sits on the same rank),
-and its backward yields the gradient of that leaf. The autograd engine accumulates parameter
-gradients into ``.grad`` in the order the backward actions run, which every schedule keeps in
-micro-batch order; B and W go through the same engine call, so split and fused backwards add
-the same numbers in the same order.
+and its backward yields the gradient of that leaf. Parameter gradients accumulate into ``.grad``
+in the order the backward actions run, which every schedule keeps in micro-batch order. The
+split backward (I then W) is torch.distributed.pipelining's (``stage_backward_input`` and
+``stage_backward_weight``, private helpers of the pinned torch): W starts from the gradients
+I captured rather than running the backward again, and computes the same numbers as a fused B
+(the zero-bubble cases of the bitwise tests check it).
 
 Communication is point-to-point: SEND posts a non-blocking send, RECV posts a receive that is
 waited for when the consuming compute action runs. Messages carry a tag derived from
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from tidal_agent.data import BatchSource
 from tidal_agent.model import StageModule, UnitContext
@@ -38,6 +41,8 @@ class _StepState:
     roots: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=dict
     )
+    # Per (stage, mb): the gradients I captured at the weight-consuming nodes, for W.
+    weight_groups: dict[tuple[int, int], list[dict]] = field(default_factory=dict)
     input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     pending: dict[tuple[Kind, int, int], tuple[dist.Work, torch.Tensor]] = field(
         default_factory=dict
@@ -158,13 +163,20 @@ class PipelineRuntime:
         if x is None:  # the first stage has no input gradient; W does all its work
             return
         roots, grads = self._roots(s, m)
-        (gx,) = torch.autograd.grad(roots, [x], grads, retain_graph=True)
+        # torch's split backward: the input gradient now, with the gradients reaching the
+        # weight-consuming nodes kept so W need not run the backward again.
+        (gx,), groups = stage_backward_input(roots, grads, [x], iter(self._params(s)))
+        self._state.weight_groups[(s, m)] = groups
         self._input_grad_done(s, m, gx)
 
     def _backward_weight(self, action: Action) -> None:
         s, m = action.stage, action.mb
-        roots, grads = self._roots(s, m)
-        torch.autograd.backward(roots, grads, inputs=self._params(s))
+        groups = self._state.weight_groups.pop((s, m), None)
+        if groups is None:
+            roots, grads = self._roots(s, m)
+            torch.autograd.backward(roots, grads, inputs=self._params(s))
+        else:
+            stage_backward_weight(iter(self._params(s)), groups)
         self._release(s, m)
 
     def _input_grad_done(self, s: int, m: int, gx: torch.Tensor) -> None:

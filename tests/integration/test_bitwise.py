@@ -46,6 +46,7 @@ def reference(job):
         (4, "1f1b", None),
         (4, "gpipe", (1, 3, 4, 2)),
         (3, "zb", None),
+        (3, "zb", (4, 4, 2)),  # a stage ends at the LM head; the MTP heads are the next stage
         (2, "interleaved", None),
     ],
 )
