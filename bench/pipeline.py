@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
@@ -34,6 +35,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E4
 
 from tidal_agent.model import StageModule, UnitContext, build_unit  # noqa: E402
 from tidal_agent.trainer import Trainer, batch_source, model_config  # noqa: E402
+from tidal_agent.world import Rendezvous, build_world  # noqa: E402
 from tidal_api import parse_job  # noqa: E402
 from tidal_plan.layout import build_layout  # noqa: E402
 
@@ -63,20 +65,23 @@ class _TorchStage(torch.nn.Module):
         return h
 
 
-def _worker(rank: int, pp: int, port: int, steps: int, warmup: int, results) -> None:
+def _worker(rank: int, pp: int, port: int, steps: int, warmup: int, job: dict, results) -> None:
     torch.set_num_threads(1)
     timeout = timedelta(seconds=300)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"pp{pp}/", store), rank=rank,
+    # torch's side uses the default group; Tidal's trainer a world of its own on the same store.
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"pp{pp}/torch/", store), rank=rank,
                             world_size=pp, timeout=timeout)
-    spec = parse_job(JOB).spec
+    members = tuple(f"worker-{r}" for r in range(pp))
+    world = build_world(Rendezvous(host="127.0.0.1", port=port, prefix=f"pp{pp}/tidal/",
+                                   timeout_s=300), 0, members, members[rank])
+    spec = parse_job(job).spec
     config = model_config(spec)
     t = spec.training
     layout = build_layout(num_units=config.num_units, workers=pp, micro_batch_size=t.micro_batch_size,
                           num_micro_batches=t.num_micro_batches, schedule="1f1b")
     device = torch.device("cpu")
-    tidal = Trainer(spec=spec, layout=layout, pp_rank=rank, group_ranks=list(range(pp)),
-                    device=device, backend="gloo")
+    tidal = Trainer(spec=spec, layout=layout, world=world, device=device)
 
     # Torch's side: the same units; the LM head becomes its loss_fn on the last stage.
     head_unit = config.num_units - 1
@@ -140,15 +145,23 @@ def _worker(rank: int, pp: int, port: int, steps: int, warmup: int, results) -> 
     dist.destroy_process_group()
 
 
-def bench_pp(pp: int, steps: int, warmup: int) -> dict:
+def bench_pp(pp: int, steps: int, warmup: int, job: dict) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, pp, store.port, steps, warmup, results))
+    procs = [ctx.Process(target=_worker, args=(r, pp, store.port, steps, warmup, job, results))
              for r in range(pp)]
     for p in procs:
         p.start()
-    out = results.get(timeout=1800)
+    while True:  # fail fast if a worker dies instead of waiting for a result that never comes
+        try:
+            out = results.get(timeout=1)
+            break
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"pp={pp}: a worker failed: {[p.exitcode for p in procs]}")
     for p in procs:
         p.join(timeout=60)
     if any(p.exitcode != 0 for p in procs):
@@ -169,19 +182,23 @@ def main() -> None:
     parser.add_argument("--pp", default="2,4", help="PP degrees, comma-separated")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side")
+    parser.add_argument("--tiny", action="store_true", help="a toy model: checks the bench runs")
     args = parser.parse_args()
+    job = json.loads(json.dumps(JOB))
+    if args.tiny:
+        job["spec"]["model"].update(layers=4, dModel=32, vocab=64, seqLen=16)
     os.environ["OMP_NUM_THREADS"] = "1"
     runs = []
     for pp in (int(p) for p in args.pp.split(",")):
         print(f"pp={pp}: {args.warmup} warm-up + {args.steps} timed steps per side...",
               file=sys.stderr, flush=True)
-        runs.append(bench_pp(pp, args.steps, args.warmup))
+        runs.append(bench_pp(pp, args.steps, args.warmup, job))
         print(f"pp={pp}: ratio {runs[-1]['ratio']:.3f}", file=sys.stderr, flush=True)
     paired = [r for run in runs for r in run["paired_ratios"]]
     report = {
         "benchmark": "pipeline",
         "baseline": "torch.distributed.pipelining.Schedule1F1B",
-        "model": JOB["spec"]["model"],
+        "model": job["spec"]["model"],
         "training": {k: JOB["spec"]["training"][k] for k in ("globalBatchSize", "microBatchSize")},
         "runs": [{k: v for k, v in r.items() if k != "paired_ratios"} for r in runs],
         "ratio": statistics.median(paired),

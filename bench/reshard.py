@@ -41,9 +41,12 @@ from tidal_agent.trainer import model_config  # noqa: E402
 from tidal_api import parse_job  # noqa: E402
 
 
+MODEL = {"layers": 13, "dModel": 512, "heads": 8, "vocab": 8192, "seqLen": 64}
+
+
 def _job(checkpoint_root: str | None = None):
     spec = {
-        "model": {"layers": 13, "dModel": 512, "heads": 8, "vocab": 8192, "seqLen": 64},
+        "model": MODEL,
         "training": {"steps": 100, "globalBatchSize": 4, "microBatchSize": 1, "seed": 0},
     }
     if checkpoint_root:
@@ -103,7 +106,10 @@ def raw_send(nbytes: int, repeats: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="a toy model: checks the bench runs")
     args = parser.parse_args()
+    if args.tiny:
+        MODEL.update(layers=4, dModel=32, vocab=64, seqLen=16)
     params = sum(shape.numel() for _, shape, _ in global_parameters(model_config(_job().spec)))
     print(f"model: {params / 1e6:.1f}M parameters (+ AdamW moments)", file=sys.stderr)
     hot, restart = [], []
