@@ -132,7 +132,8 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
                 f"step {event['step']:5d}  pp{event['layout']['pp']}  loss {event['loss']:.4f}  "
                 f"{event['seconds'] * 1e3:7.1f} ms  {rate:10,.0f} tok/s"
             )
-            progress.update(task, advance=1, description=f"loss {event['loss']:.4f}")
+            # completed, not advance: a resumed run starts past step 0
+            progress.update(task, completed=event["step"] + 1, description=f"loss {event['loss']:.4f}")
 
         try:
             result = run_elastic(

@@ -121,7 +121,8 @@ class WorldBuilder:
             raise TimeoutError(f"building the next world took more than {timeout_s:.0f} s")
         if self._error is not None:
             raise self._error
-        assert self._result is not None
+        if self._result is None:
+            raise RuntimeError("the world builder finished without a world or an error")
         return self._result
 
 
