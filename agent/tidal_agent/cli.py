@@ -71,10 +71,11 @@ def main() -> None:
 @click.option("--partition", help="Force units per stage, e.g. 2,3,1.")
 @click.option("--workers-schedule", "workers_schedule", help="Change the worker count live: STEP:WORKERS,... e.g. 0:2,4:3,8:4.")
 @click.option("--reshard-bucket-mib", "bucket_mib", type=click.IntRange(min=1), default=256, show_default=True, help="Memory cap per worker for state in flight during a live switch.")
+@click.option("--profile", "profile_out", type=click.Path(dir_okay=False), help="Profile steps 1-3 online and write per-unit costs (JSON) here.")
 @click.option("--resume", help="Resume from a checkpoint directory, or 'latest' under spec.checkpoint.path.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent worker is an error.")
 def run(job_file, workers, steps, report, schedule, partition, workers_schedule, bucket_mib,
-        resume, timeout_s) -> None:
+        profile_out, resume, timeout_s) -> None:
     """Train JOB_FILE with N local worker processes and report per-step losses.
 
     With --workers-schedule the worker count changes between steps without a restart; in
@@ -139,6 +140,7 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             result = run_elastic(
                 job, gens, layouts, steps=steps, on_step=on_step,
                 timeout_s=timeout_s, resume_from=resume_from, bucket_bytes=bucket_mib << 20,
+                profile_out=profile_out,
             )
             dp_changes = len({lay.dp for lay in layouts}) > 1
             if dp_changes:  # relaxed: measure what the layout changes cost in loss
@@ -149,6 +151,8 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
         except RunError as err:
             first = str(err).splitlines()[0]
             raise click.ClickException(first) from None
+    if result.get("profile"):
+        _console.print(f"profile: {result['profile']}")
     if report:
         Path(report).parent.mkdir(parents=True, exist_ok=True)
         Path(report).write_text(json.dumps(result, indent=2) + "\n")

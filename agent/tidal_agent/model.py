@@ -257,6 +257,10 @@ class StageModule(nn.Module):
         return h, losses
 
     @property
+    def ordered_units(self) -> list[Unit]:
+        return self._ordered
+
+    @property
     def num_losses(self) -> int:
         return sum(isinstance(u, LossHead) for u in self._ordered)
 

@@ -79,7 +79,8 @@ def run_elastic(
     timeout_s: float = 120.0,
     threads: int = 1,
     resume_from: str | Path | None = None,
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int = 256 << 20,
+    profile_out: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
@@ -104,6 +105,7 @@ def run_elastic(
         checkpoint_root=job.spec.checkpoint.path,
         checkpoint_every=job.spec.checkpoint.every_steps,
         bucket_bytes=bucket_bytes,
+        profile_out=str(profile_out) if profile_out else None,
     )
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
@@ -143,6 +145,7 @@ def run_elastic(
         "params_sha256": params_sha256(collected.digests, num_params),
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
+        "profile": collected.profile,
         # launch to every worker ready: interpreters, worlds, trainers, checkpoint load
         "startup_s": (collected.ready_at or float("nan")) - started,
         "seconds_total": time.perf_counter() - started,
@@ -160,6 +163,7 @@ class _Collected:
         self.reconfigurations: list[dict[str, Any]] = []
         self.checkpoints: list[dict[str, Any]] = []
         self.ready_at: float | None = None  # when the last worker reported ready
+        self.profile: str | None = None  # where the leader wrote the online profile
         self.digests: dict[int, tuple[str, str]] = {}
 
 
@@ -191,6 +195,8 @@ def _collect(procs, events, on_step: StepCallback | None, timeout_s: float) -> _
             out.reconfigurations.append(payload)
         elif kind == "checkpoint":
             out.checkpoints.append(payload)
+        elif kind == "profile":
+            out.profile = payload
         elif kind == "done":
             out.digests.update(payload)
             finished.add(me)

@@ -17,6 +17,7 @@ backends that match in order (NCCL) need FIFO-consistent lists, which the runtim
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from tidal_agent.data import BatchSource
 from tidal_agent.model import StageModule, UnitContext
+from tidal_agent.profiler import UnitProfiler
 from tidal_agent.world import World
 from tidal_plan.ir import Action, Kind
 from tidal_plan.layout import Layout
@@ -76,6 +78,7 @@ class PipelineRuntime:
         # This replica's micro-batch m is micro-batch mb_offset + m of the global batch.
         self.mb_offset = mb_offset
         self.loss_scale = 1.0 / (layout.num_micro_batches * layout.dp)
+        self.profiler: UnitProfiler | None = None  # set for the steps that are profiled
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward_full,
@@ -125,7 +128,10 @@ class PipelineRuntime:
             x = self._take_received(Kind.RECV_F, s, m, st.inputs)
             x.requires_grad_(True)
             st.inputs[(s, m)] = x
-        out, losses = self.stages[s](x, self._context(m))
+        if self.profiler is not None:
+            out, losses = self.profiler.forward(s, m, self.stages[s], x, self._context(m))
+        else:
+            out, losses = self.stages[s](x, self._context(m))
         st.losses[(s, m)] = losses
         st.loss_values[(s, m)] = [loss.detach() for loss in losses]
         if s + 1 < self.layout.num_stages:
@@ -148,11 +154,19 @@ class PipelineRuntime:
 
     def _backward_full(self, action: Action) -> None:
         s, m = action.stage, action.mb
+        if self.profiler is not None and (s, m) in self._state.inputs:
+            # Profiling measures I and W apart; the split computes the same bits as B.
+            self._backward_input(Action(s, Kind.I, m))
+            self._backward_weight(Action(s, Kind.W, m))
+            return
         roots, grads = self._roots(s, m)
         x = self._state.inputs.get((s, m))
+        started = time.perf_counter()
         # The engine accumulates parameter gradients into .grad (mb order = call order) and
         # leaves the input gradient in x.grad.
         torch.autograd.backward(roots, grads)
+        if self.profiler is not None:  # the first stage: I and W measured together, as I
+            self.profiler.input_grad_done(s, m, started, time.perf_counter())
         if x is not None:
             self._input_grad_done(s, m, x.grad)
         self._release(s, m)
@@ -163,20 +177,28 @@ class PipelineRuntime:
         if x is None:  # the first stage has no input gradient; W does all its work
             return
         roots, grads = self._roots(s, m)
+        started = time.perf_counter()
         # torch's split backward: the input gradient now, with the gradients reaching the
         # weight-consuming nodes kept so W need not run the backward again.
         (gx,), groups = stage_backward_input(roots, grads, [x], iter(self._params(s)))
+        if self.profiler is not None:
+            self.profiler.input_grad_done(s, m, started, time.perf_counter())
         self._state.weight_groups[(s, m)] = groups
         self._input_grad_done(s, m, gx)
 
     def _backward_weight(self, action: Action) -> None:
         s, m = action.stage, action.mb
         groups = self._state.weight_groups.pop((s, m), None)
+        started = time.perf_counter()
         if groups is None:
             roots, grads = self._roots(s, m)
             torch.autograd.backward(roots, grads, inputs=self._params(s))
+            if self.profiler is not None:  # the first stage: I and W measured together, as I
+                self.profiler.input_grad_done(s, m, started, time.perf_counter())
         else:
             stage_backward_weight(iter(self._params(s)), groups)
+            if self.profiler is not None:
+                self.profiler.weight_grad_done(s, time.perf_counter() - started)
         self._release(s, m)
 
     def _input_grad_done(self, s: int, m: int, gx: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ the step loss, which every rank computes the same way in the same order.
 from __future__ import annotations
 
 import hashlib
+import statistics
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,6 +193,35 @@ class Trainer:
             for key in STATE_KEYS:
                 state[f"{name}/{key}"] = opt[key]
         return state
+
+    def profile_p2p(self, repeats: int = 5) -> dict[str, float] | None:
+        """Ping-pong an activation between pipeline neighbours; one-way seconds (median).
+
+        Every rank of the world calls it; pairs (r, r + 1) of each replica's pipeline take turns.
+        """
+        shape = self.runtime.activation_shape
+        buf = torch.zeros(shape, device=self.device)
+        result = None
+        for first in range(self.layout.pp - 1):
+            if self.pp_rank not in (first, first + 1):
+                continue
+            peer = self.runtime.group_ranks[first + 1 if self.pp_rank == first else first]
+            times = []
+            for i in range(repeats + 1):
+                started = time.perf_counter()
+                if self.pp_rank == first:
+                    self.world.send(buf, peer, 1_000_000 + i).wait()
+                    self.world.recv(buf, peer, 2_000_000 + i).wait()
+                else:
+                    self.world.recv(buf, peer, 1_000_000 + i).wait()
+                    self.world.send(buf, peer, 2_000_000 + i).wait()
+                if i:  # the first exchange sets the connection up
+                    times.append((time.perf_counter() - started) / 2)
+            if self.pp_rank == first:
+                result = {"bytes": buf.numel() * buf.element_size(),
+                          "seconds": statistics.median(times)}
+        self.world.barrier()
+        return result
 
     def adopt(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take over existing state tensors (named as in ``state_tensors``) without copying.

@@ -13,14 +13,17 @@ one when growing, the old one when shrinking), then leavers exit and the others 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 import torch
 
 from tidal_agent import checkpoint
 from tidal_agent.optim import ClipMode
+from tidal_agent.profiler import UnitProfiler, build_profile
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer, model_config
 from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world
@@ -42,6 +45,8 @@ class WorkerOptions:
     checkpoint_root: str | None = None
     checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
     bucket_bytes: int = 256 << 20  # in flight per worker during a reshard
+    profile_out: str | None = None  # write the online profile (JSON) here
+    profile_steps: tuple[int, int] = (1, 4)  # [first, last) steps profiled; step 0 warms up
 
 
 def worker_main(me: str, spec_json: str, opts: WorkerOptions, events) -> None:
@@ -104,6 +109,10 @@ class _Worker:
         self.events.put(("done", self.me, trainer.parameter_digests()))
 
     def _train_step(self, trainer: Trainer, step: int) -> None:
+        first, last = self.opts.profile_steps
+        profiling = self.opts.profile_out is not None and first <= step < last
+        if profiling and trainer.runtime.profiler is None:
+            trainer.runtime.profiler = UnitProfiler()
         started = time.perf_counter()
         result = trainer.step(step)
         if self.device.type == "cuda":
@@ -116,6 +125,8 @@ class _Worker:
                 "grad_norm": result.grad_norm, "lr": result.lr, "seconds": seconds,
                 "layout": trainer.layout.to_dict(),
             }))
+        if profiling and step == last - 1:
+            self._finish_profile(trainer)
         done, opts = step + 1, self.opts
         if opts.checkpoint_every and opts.checkpoint_root and done % opts.checkpoint_every == 0:
             saving = time.perf_counter()
@@ -124,6 +135,23 @@ class _Worker:
                 self.events.put(("checkpoint", self.me, {
                     "path": str(path), "step": done, "seconds": time.perf_counter() - saving,
                 }))
+
+    def _finish_profile(self, trainer: Trainer) -> None:
+        """Gather every rank's measurements at the leader, which writes the profile JSON."""
+        profiler, trainer.runtime.profiler = trainer.runtime.profiler, None
+        p2p = trainer.profile_p2p()
+        part = {"rank": trainer.world.rank, "pp_rank": trainer.pp_rank,
+                "units": profiler.units(), "p2p": p2p}
+        store = trainer.world.store
+        key = f"profile/gen{trainer.world.generation}"
+        store.set(f"{key}/{trainer.world.rank}", json.dumps(part))
+        if not self.leader:
+            return
+        parts = [json.loads(store.get(f"{key}/{r}")) for r in range(trainer.world.size)]
+        profile = build_profile(parts, trainer.layout, self.opts.profile_steps, trainer.config)
+        Path(self.opts.profile_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(self.opts.profile_out).write_text(json.dumps(profile, indent=2) + "\n")
+        self.events.put(("profile", self.me, self.opts.profile_out))
 
     def _next_builder(self, gen: Generation) -> WorldBuilder | None:
         """Start building the next generation's world now, while this one trains."""

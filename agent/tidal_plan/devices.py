@@ -1,0 +1,126 @@
+"""Device descriptions: the peaks the modeling-based predictor divides FLOPs and bytes by.
+
+A ``Device`` is a handful of datasheet numbers plus one fudge factor (``mfu``, the fraction of
+peak FLOP/s that training matmuls reach). Built-ins cover an H100 and one CPU core of a
+development machine; anything else comes from a JSON file with the same fields. These are
+rough defaults for planning without a profile: a measured profile always beats them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+GIB = 1024**3
+
+
+class DeviceError(ValueError):
+    """A device description that cannot be used; the message says how to fix it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Device:
+    """One accelerator (or core) as the cost model sees it.
+
+    ``peak_flops`` is dense matmul FLOP/s in the training dtype; ``p2p_bandwidth`` and
+    ``p2p_latency_s`` describe one message between pipeline neighbours (and the links the
+    data-parallel all-reduce runs over); ``dtype_bytes`` is the size of a parameter, gradient
+    and activation element (2 for bf16, 4 for fp32).
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    memory_bandwidth: float
+    p2p_bandwidth: float
+    p2p_latency_s: float
+    mfu: float = 0.5
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "memory_bytes", "memory_bandwidth", "p2p_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise DeviceError(f"device {self.name!r}: {name} must be positive")
+        if self.p2p_latency_s < 0:
+            raise DeviceError(f"device {self.name!r}: p2p_latency_s must be non-negative")
+        if not 0 < self.mfu <= 1:
+            raise DeviceError(
+                f"device {self.name!r}: mfu ({self.mfu}) is a fraction of peak, in (0, 1]"
+            )
+        if self.dtype_bytes not in (2, 4):
+            raise DeviceError(
+                f"device {self.name!r}: dtype_bytes ({self.dtype_bytes}) must be 2 (bf16/fp16) "
+                "or 4 (fp32)"
+            )
+
+    @property
+    def matmul_flops(self) -> float:
+        """FLOP/s a training matmul actually reaches."""
+        return self.peak_flops * self.mfu
+
+
+DEVICES: dict[str, Device] = {
+    # H100 SXM datasheet: 989 TFLOP/s dense bf16, 80 GiB HBM3 at 3.35 TB/s. Pipeline neighbours
+    # are assumed to sit on different nodes, so p2p is one 200 Gb/s InfiniBand NDR port per GPU
+    # (25 GB/s), not NVLink (~450 GB/s one way); 45% MFU is what well-tuned LLM training reports.
+    "h100": Device(
+        name="h100",
+        peak_flops=989e12,
+        memory_bytes=80 * GIB,
+        memory_bandwidth=3.35e12,
+        p2p_bandwidth=25e9,
+        p2p_latency_s=10e-6,
+        mfu=0.45,
+        dtype_bytes=2,
+    ),
+    # One core of this development machine in fp32: a rough order of magnitude (AVX2 FMA at a
+    # few GHz, as reached by PyTorch's small matmuls) for the CPU tests; p2p is gloo over
+    # loopback. Profile it rather than trust it.
+    "cpu": Device(
+        name="cpu",
+        peak_flops=2e10,
+        memory_bytes=24 * GIB,
+        memory_bandwidth=1e10,
+        p2p_bandwidth=2e9,
+        p2p_latency_s=50e-6,
+        mfu=0.6,
+        dtype_bytes=4,
+    ),
+}
+
+
+def load_device(name_or_path: str | Path) -> Device:
+    """A built-in device by name (``h100``, ``cpu``) or one described by a JSON file.
+
+    The JSON object holds ``Device``'s fields; ``mfu`` and ``dtype_bytes`` may be left out.
+    """
+    if isinstance(name_or_path, str) and name_or_path in DEVICES:
+        return DEVICES[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise DeviceError(
+            f"unknown device {str(name_or_path)!r}: use one of {sorted(DEVICES)} or the path "
+            "of a JSON file with Device's fields"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DeviceError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise DeviceError(f"{path} must hold a JSON object of Device's fields")
+    known = {f.name for f in fields(Device)}
+    required = {"name", "peak_flops", "memory_bytes", "memory_bandwidth", "p2p_bandwidth",
+                "p2p_latency_s"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise DeviceError(
+            f"{path}: unknown field(s) {unknown}: Device's fields are {sorted(known)}"
+        )
+    missing = sorted(required - set(data))
+    if missing:
+        raise DeviceError(f"{path}: missing field(s) {missing}: add them to the JSON object")
+    try:
+        return Device(**data)
+    except TypeError as err:  # e.g. a number given as a string
+        raise DeviceError(f"{path}: {err}") from err

@@ -1,0 +1,33 @@
+"""Online profiling measures every unit during real steps and changes no bit of the run."""
+
+import json
+
+import pytest
+
+from tests.integration.test_cli import TINY, tidal
+
+pytestmark = pytest.mark.slow
+
+
+def test_profile_covers_every_unit_and_keeps_the_bits(tmp_path):
+    plain, profiled = tmp_path / "plain.json", tmp_path / "profiled.json"
+    profile = tmp_path / "profile.json"
+    for report, extra in ((plain, []), (profiled, ["--profile", profile])):
+        result = tidal("run", TINY, "--workers", "3", "--steps", "5", "--report", report, *extra)
+        assert result.returncode == 0, result.stderr
+    a, b = json.loads(plain.read_text()), json.loads(profiled.read_text())
+    assert [s["loss_hex"] for s in a["steps"]] == [s["loss_hex"] for s in b["steps"]]
+    assert a["params_sha256"] == b["params_sha256"]
+
+    data = json.loads(profile.read_text())
+    assert b["profile"] == str(profile)
+    assert data["profiled_steps"] == [1, 2, 3]
+    assert sorted(map(int, data["units"])) == list(range(8))  # 6 blocks + embedding + head
+    for unit, costs in data["units"].items():
+        assert costs["forward_s"] > 0 and costs["input_grad_s"] >= 0
+        assert costs["param_bytes"] > 0 and costs["activation_bytes"] > 0
+        if costs["rank"] > 0:  # stages with an input measure W apart from I
+            assert costs["weight_grad_s"] > 0
+    assert data["p2p"]["bytes"] == 2 * 64 * 64 * 4 and data["p2p"]["seconds"] > 0
+    assert set(data["ranks"]) == {"0", "1", "2"}
+    assert all(r["relative_speed"] > 0 for r in data["ranks"].values())

@@ -1,0 +1,254 @@
+"""The modeling-based predictor: parameter counts, FLOPs, memory, predictions and devices."""
+
+import json
+import math
+
+import pytest
+
+from tidal_plan.costmodel import (
+    FLEXTRAIN,
+    ModelShape,
+    active_params,
+    model_costs,
+    predict,
+    total_params,
+    unit_activation_bytes,
+    unit_active_params,
+    unit_flops,
+    unit_params,
+    unit_state_bytes,
+)
+from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, load_device
+from tidal_plan.layout import build_layout
+
+H100 = DEVICES["h100"]
+SMALL = ModelShape(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2)
+# A 6.9B dense GPT: 110 GiB of bf16 + AdamW state, more than one H100 holds.
+BIG = ModelShape(layers=32, d_model=4096, heads=32, vocab=50304, seq_len=2048)
+
+
+def layout_for(shape, pp, *, m=16, mbs=1, dp=1, schedule="1f1b"):
+    return build_layout(
+        num_units=shape.num_units, workers=pp * dp, dp=dp, micro_batch_size=mbs,
+        num_micro_batches=m * dp, schedule=schedule,
+    )
+
+
+# --- parameter counts ----------------------------------------------------------------------------
+
+
+def test_dense_counts_by_hand():
+    d, v, s = 16, 32, 8
+    block = 12 * d * d + 13 * d  # qkv 3d^2+3d, proj d^2+d, fc1 4d^2+4d, fc2 4d^2+d, 2 LN 4d
+    head = 2 * d + d * v  # LayerNorm + projection without bias
+    expected = [v * d + s * d, block, block, block, head, head, head]
+    assert [unit_params(SMALL, u) for u in range(SMALL.num_units)] == expected
+    assert [unit_active_params(SMALL, u) for u in range(SMALL.num_units)] == expected
+
+
+def test_dense_counts_match_the_real_model():
+    pytest.importorskip("torch")
+    from tidal_agent.model import ModelConfig, global_parameters
+
+    config = ModelConfig(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2,
+                         mlp_ratio=3)
+    shape = ModelShape(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2,
+                       mlp_ratio=3)
+    per_unit = [0] * config.num_units
+    for _, size, unit in global_parameters(config):
+        per_unit[unit] += math.prod(size)
+    assert [unit_params(shape, u) for u in range(shape.num_units)] == per_unit
+
+
+def test_moe_counts_total_and_active():
+    d, e, k, h, shared = 8, 4, 2, 6, 1
+    shape = ModelShape(layers=1, d_model=d, heads=2, vocab=10, seq_len=4, experts=e, top_k=k,
+                       expert_hidden=h, shared_experts=shared)
+    expert = 2 * d * h + h + d
+    base = 4 * d * d + 4 * d + 4 * d + d * e  # attention, 2 LayerNorms, router
+    assert unit_params(shape, 1) == base + (e + shared) * expert
+    assert unit_active_params(shape, 1) == base + (k + shared) * expert
+    assert total_params(shape) - active_params(shape) == (e - k) * expert
+
+
+@pytest.mark.parametrize("name", ["small", "medium", "large"])
+def test_flextrain_presets_match_the_slides(name):
+    active, total = {"small": (1e9, 7e9), "medium": (6e9, 60e9), "large": (30e9, 600e9)}[name]
+    shape = FLEXTRAIN[name]
+    assert active_params(shape) == pytest.approx(active, rel=0.1)
+    assert total_params(shape) == pytest.approx(total, rel=0.1)
+    assert shape.mtp_heads == 2
+    assert shape.layers == {"small": 15, "medium": 29, "large": 61}[name]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"heads": 3}, "must divide d_model"),
+        ({"layers": 0}, "layers (0) must be at least 1"),
+        ({"top_k": 2}, "set experts > 0"),
+        ({"experts": 4, "top_k": 5, "expert_hidden": 8}, "top_k (5) must be between 1"),
+        ({"experts": 4, "top_k": 1}, "needs expert_hidden"),
+    ],
+)
+def test_bad_shapes_say_how_to_fix(kwargs, message):
+    base = dict(layers=2, d_model=16, heads=2, vocab=32, seq_len=8)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelShape(**{**base, **kwargs})
+
+
+# --- FLOPs and memory ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unit", range(SMALL.num_units))
+def test_flops_scale_linearly_with_tokens(unit):
+    one, three = unit_flops(SMALL, unit, 100), unit_flops(SMALL, unit, 300)
+    for field in ("forward", "input_grad", "weight_grad"):
+        assert getattr(three, field) == pytest.approx(3 * getattr(one, field))
+
+
+def test_flops_of_a_block_and_the_embedding():
+    tokens = 10
+    attention = 2 * SMALL.seq_len * SMALL.d_model * tokens  # causal QK^T + AV
+    f = unit_flops(SMALL, 1, tokens)
+    linear = 2 * unit_params(SMALL, 1) * tokens
+    assert (f.forward, f.input_grad, f.weight_grad) == (
+        linear + attention, linear + 2 * attention, linear
+    )
+    assert unit_flops(SMALL, 0, tokens).input_grad == 0
+
+
+def test_moe_flops_follow_active_params():
+    dense = ModelShape(layers=1, d_model=64, heads=4, vocab=10, seq_len=16)
+    moe = ModelShape(layers=1, d_model=64, heads=4, vocab=10, seq_len=16, experts=8, top_k=1,
+                     expert_hidden=256)
+    # Eight experts of width 4d, one per token: about 6x the weights, the dense block's work
+    # (plus a router).
+    assert unit_params(moe, 1) > 5 * unit_params(dense, 1)
+    ratio = unit_flops(moe, 1, 100).weight_grad / unit_flops(dense, 1, 100).weight_grad
+    assert 1 < ratio < 1.02
+
+
+def test_activation_bytes():
+    shape = BIG
+    per_layer = unit_activation_bytes(shape, 1, 1, 2)
+    assert per_layer == 2048 * 4096 * 34  # Korthikanti et al. with flash attention
+    no_flash = unit_activation_bytes(shape, 1, 1, 2, flash_attention=False)
+    assert no_flash == 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
+    assert unit_activation_bytes(shape, 1, 2, 4) == 4 * per_layer  # twice the batch, fp32
+    head = unit_activation_bytes(shape, shape.layers + 1, 1, 2)
+    assert head >= 2048 * 50304 * 2  # the logits
+
+
+def test_state_is_sixteen_bytes_per_parameter():
+    assert unit_state_bytes(SMALL, 1, 2) == 16 * unit_params(SMALL, 1)
+    assert unit_state_bytes(SMALL, 1, 4) == 16 * unit_params(SMALL, 1)
+
+
+def test_model_costs_sum_the_stage_units():
+    layout = build_layout(num_units=SMALL.num_units, workers=2, micro_batch_size=2,
+                          num_micro_batches=4, partition=(3, 4))
+    costs = model_costs(SMALL, layout, H100)
+    tokens = 2 * SMALL.seq_len
+    first = sum(unit_flops(SMALL, u, tokens).forward for u in range(3)) / H100.matmul_flops
+    assert costs.forward[0] == pytest.approx(first)
+    assert costs.comm == pytest.approx(
+        tokens * SMALL.d_model * 2 / H100.p2p_bandwidth + H100.p2p_latency_s
+    )
+    with pytest.raises(ValueError, match="num_units=7"):
+        model_costs(SMALL, build_layout(num_units=8, workers=2, micro_batch_size=1,
+                                        num_micro_batches=2), H100)
+
+
+# --- predictions ---------------------------------------------------------------------------------
+
+
+def test_more_stages_are_faster_until_bubbles_dominate():
+    steps = {pp: predict(BIG, layout_for(BIG, pp), H100) for pp in (1, 2, 4, 8, 16)}
+    times = [steps[pp].step_seconds for pp in sorted(steps)]
+    assert times == sorted(times, reverse=True) and len(set(times)) == len(times)
+    bubbles = [steps[pp].bubble_fraction for pp in sorted(steps)]
+    assert bubbles == sorted(bubbles)
+    # Each doubling gains less: efficiency per device falls as the bubble grows.
+    speedups = [a / b for a, b in zip(times, times[1:])]
+    assert speedups == sorted(speedups, reverse=True) and speedups[-1] < 1.6
+    # With one micro-batch a pipeline only adds messages: its makespan grows with pp.
+    single = [predict(BIG, layout_for(BIG, pp, m=1), H100).pipeline_seconds for pp in (1, 4, 16)]
+    assert single == sorted(single)
+
+
+def test_memory_per_rank_drops_with_pp_and_a_big_model_fits_only_when_split():
+    peaks = {pp: max(predict(BIG, layout_for(BIG, pp), H100).peak_memory_bytes)
+             for pp in (1, 2, 4, 8)}
+    assert [peaks[pp] for pp in sorted(peaks)] == sorted(peaks.values(), reverse=True)
+    assert not predict(BIG, layout_for(BIG, 1), H100).fits
+    assert peaks[1] > H100.memory_bytes
+    assert predict(BIG, layout_for(BIG, 4), H100).fits
+
+
+def test_data_parallel_adds_an_allreduce_and_counts_all_replicas():
+    one = predict(BIG, layout_for(BIG, 4), H100)
+    two = predict(BIG, layout_for(BIG, 4, dp=2), H100)
+    assert one.allreduce_seconds == 0 and two.allreduce_seconds > 0
+    assert two.step_seconds == pytest.approx(one.step_seconds + two.allreduce_seconds)
+    assert two.tokens_per_second == pytest.approx(
+        2 * 16 * BIG.seq_len / two.step_seconds
+    )
+    assert two.peak_memory_bytes == one.peak_memory_bytes
+
+
+def test_zero_bubble_beats_1f1b():
+    ofob = predict(BIG, layout_for(BIG, 8), H100)
+    zb = predict(BIG, layout_for(BIG, 8, schedule="zb"), H100)
+    assert zb.step_seconds < ofob.step_seconds
+
+
+def test_the_large_preset_is_planned_without_running_it():
+    shape = FLEXTRAIN["large"]
+    result = predict(shape, layout_for(shape, 8, m=8), H100)
+    assert math.isfinite(result.step_seconds) and result.tokens_per_second > 0
+    assert not result.fits  # 600B parameters without expert parallelism: 1.2 TB per rank
+
+
+# --- devices -------------------------------------------------------------------------------------
+
+
+def test_builtin_devices():
+    assert load_device("h100") is H100
+    assert H100.memory_bytes == 80 * GIB and H100.dtype_bytes == 2
+    assert load_device("cpu").dtype_bytes == 4
+
+
+def test_device_from_json(tmp_path):
+    path = tmp_path / "a100.json"
+    fields = dict(name="a100", peak_flops=312e12, memory_bytes=80 * GIB,
+                  memory_bandwidth=2.0e12, p2p_bandwidth=25e9, p2p_latency_s=1e-5)
+    path.write_text(json.dumps(fields))
+    assert load_device(path) == Device(**fields)
+    assert load_device(str(path)).mfu == 0.5
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ({"name": "x", "peak_flops": 1.0}, r"missing field\(s\) \['memory_bandwidth'"),
+        ({"name": "x", "peak_flop": 1.0}, r"unknown field\(s\) \['peak_flop'\]"),
+        ([1, 2], "must hold a JSON object"),
+    ],
+)
+def test_bad_device_files_say_what_is_wrong(tmp_path, content, message):
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(DeviceError, match=message):
+        load_device(path)
+
+
+def test_unknown_device_name_lists_the_builtins():
+    with pytest.raises(DeviceError, match=r"use one of \['cpu', 'h100'\]"):
+        load_device("tpu")
+
+
+def test_bad_device_values():
+    with pytest.raises(DeviceError, match=r"mfu \(1.5\)"):
+        Device(name="x", peak_flops=1, memory_bytes=1, memory_bandwidth=1, p2p_bandwidth=1,
+               p2p_latency_s=0, mfu=1.5)
