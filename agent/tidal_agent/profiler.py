@@ -17,6 +17,7 @@ While profiling, a fused backward (B) runs as I then W, which computes the same 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -50,6 +51,7 @@ class UnitProfiler:
         self.weight_grad_s: dict[int, list[float]] = defaultdict(list)
         self.activation_bytes: dict[int, int] = {}
         self.param_bytes: dict[int, int] = {}
+        self.optimizer_s: list[float] = []  # the rank's AdamW step
         self._traces: dict[tuple[int, int], _Trace] = {}
         self._stage_units: dict[int, list[tuple[int, int]]] = {}  # stage -> (unit, params)
 
@@ -143,8 +145,16 @@ def build_profile(parts: list[dict], layout, steps: tuple[int, int], config) -> 
         for part in parts
     }
     links = [part["p2p"] for part in parts if part["p2p"]]
+    per_byte = [
+        part["optimizer_s"] / sum(c["param_bytes"] for c in part["units"].values())
+        for part in parts
+    ]
     return {
         "layout": layout.to_dict(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "seq_tokens": config.seq_len,
+        "optimizer_s_per_param_byte": statistics.median(per_byte),
         "profiled_steps": list(range(*steps)),
         "micro_batch_size": layout.micro_batch_size,
         "units": dict(sorted(units.items(), key=lambda kv: int(kv[0]))),

@@ -152,7 +152,10 @@ class Trainer:
             self.indexed_params, self.num_params, self.spec.training.grad_clip,
             world=self.world, contributes=self.replica == 0, mode=self.clip_mode,
         )
+        started = time.perf_counter()
         self.optimizer.step()
+        if self.runtime.profiler is not None:
+            self.runtime.profiler.optimizer_s.append(time.perf_counter() - started)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(step=step, loss=self._step_loss(loss_values), grad_norm=grad_norm, lr=lr)
 

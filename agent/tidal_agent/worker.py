@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 import traceback
 from dataclasses import dataclass
@@ -141,7 +142,8 @@ class _Worker:
         profiler, trainer.runtime.profiler = trainer.runtime.profiler, None
         p2p = trainer.profile_p2p()
         part = {"rank": trainer.world.rank, "pp_rank": trainer.pp_rank,
-                "units": profiler.units(), "p2p": p2p}
+                "units": profiler.units(), "p2p": p2p,
+                "optimizer_s": statistics.median(profiler.optimizer_s)}
         store = trainer.world.store
         key = f"profile/gen{trainer.world.generation}"
         store.set(f"{key}/{trainer.world.rank}", json.dumps(part))
