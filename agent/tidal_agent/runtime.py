@@ -11,8 +11,10 @@ I captured rather than running the backward again, and computes the same numbers
 
 Communication is point-to-point: SEND posts a non-blocking send, RECV posts a receive that is
 waited for when the consuming compute action runs. Messages carry a tag derived from
-(kind, stage, micro-batch) so that the transport matches them whatever their order (gloo);
-backends that match in order (NCCL) need FIFO-consistent lists, which the runtime checks.
+``tidal_plan.lowering.message`` (payload, producing stage, micro-batch), the planner's own
+definition of which send meets which receive, so that the transport matches them whatever
+their order (gloo); backends that match in order (NCCL) need FIFO-consistent lists, which the
+runtime checks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tidal_agent.model import StageModule, UnitContext
 from tidal_agent.profiler import UnitProfiler
 from tidal_agent.world import World
 from tidal_plan.ir import Action, Kind
+from tidal_plan.lowering import message
 from tidal_plan.layout import Layout
 
 
@@ -79,6 +82,8 @@ class PipelineRuntime:
         self.mb_offset = mb_offset
         self.loss_scale = 1.0 / (layout.num_micro_batches * layout.dp)
         self.profiler: UnitProfiler | None = None  # set for the steps that are profiled
+        # Parameter objects never change (a reshard swaps their data), so list them once.
+        self._stage_params = {s: list(m.parameters()) for s, m in stages.items()}
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward_full,
@@ -208,7 +213,7 @@ class PipelineRuntime:
             self._state.input_grads[(s, m)] = gx
 
     def _params(self, s: int) -> list[torch.nn.Parameter]:
-        return list(self.stages[s].parameters())
+        return self._stage_params[s]
 
     def _release(self, s: int, m: int) -> None:
         st = self._state
@@ -217,22 +222,24 @@ class PipelineRuntime:
 
     # -- communication --------------------------------------------------------------------
 
-    def _tag(self, kind: Kind, stage: int, mb: int) -> int:
-        direction = 0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1
+    def _tag(self, action: Action) -> int:
+        """An integer tag for the message of ``action``, the same at both of its ends."""
+        payload, stage, mb = message(action)
+        direction = 0 if payload is Kind.F else 1
         return (direction * self.layout.num_stages + stage) * self.layout.num_micro_batches + mb
 
     def _send_forward(self, action: Action) -> None:
         s, m = action.stage, action.mb
         out = self._state.outputs[(s, m)].detach().contiguous()
         dst = self.group_ranks[self.layout.stage_rank(s + 1)]
-        work = self.world.send(out, dst, self._tag(Kind.SEND_F, s + 1, m))
+        work = self.world.send(out, dst, self._tag(action))
         self._state.sends.append((work, out))
 
     def _send_backward(self, action: Action) -> None:
         s, m = action.stage, action.mb
         gx = self._state.input_grads.pop((s, m)).contiguous()
         dst = self.group_ranks[self.layout.stage_rank(s - 1)]
-        work = self.world.send(gx, dst, self._tag(Kind.SEND_B, s - 1, m))
+        work = self.world.send(gx, dst, self._tag(action))
         self._state.sends.append((work, gx))
 
     def _recv(self, action: Action) -> None:
@@ -240,7 +247,7 @@ class PipelineRuntime:
         src_stage = s - 1 if action.kind is Kind.RECV_F else s + 1
         src = self.group_ranks[self.layout.stage_rank(src_stage)]
         buf = torch.empty(self.activation_shape, device=self.device)
-        work = self.world.recv(buf, src, self._tag(action.kind, s, m))
+        work = self.world.recv(buf, src, self._tag(action))
         self._state.pending[(action.kind, s, m)] = (work, buf)
 
     def _take_received(self, kind: Kind, s: int, m: int, local: dict) -> torch.Tensor:
