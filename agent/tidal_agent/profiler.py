@@ -11,21 +11,44 @@ and backwards to a ``UnitProfiler``, which records per placement unit:
 - activation bytes: what autograd saves for the unit's backward (saved-tensor hooks);
 - parameter bytes.
 
-While profiling, a fused backward (B) runs as I then W, which computes the same bits
-(tests/integration/test_bitwise.py compares the schedules), so that I and W are measured apart.
+While the unit hooks are on (the first profiled step), a fused backward (B) runs as I then W,
+which computes the same bits (tests/integration/test_bitwise.py compares the schedules), so that
+I and W are measured apart.
+
+The hooks themselves cost time, and a unit's cost is not proportional to the micro-batch size
+(a fixed part is Python, dispatch and autograd-engine overhead), so what predicts other layouts
+comes from two more measurements:
+
+- ``calibrate_units``: copies of the rank's units run alone and all together, at the run's
+  micro-batch size and at twice it, for every action kind (F, fused B, split I and W) and for
+  the post-pipeline work of their parameters (gradient norms, clip, AdamW, zero_grad). A stage
+  action costs a fixed per-action overhead plus its units' costs, so the difference between
+  the singles' sum and the whole stage gives the overhead, and the two sizes give each unit's
+  fixed and per-sample parts. Copies: the run's parameters, gradients and optimizer state are
+  never touched, so the run keeps its bits.
+- the plain profiled steps (hooks off): every action's wall time as the runtime runs it, the
+  time its receives waited, and the step's pipeline and post-pipeline seconds.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from tidal_agent.model import StageModule, UnitContext
+from tidal_agent.model import StageModule, Unit, UnitContext
+from tidal_plan.ir import Action
+
+if TYPE_CHECKING:  # the trainer imports the runtime, which imports this module
+    from tidal_agent.trainer import Trainer
 
 
 @dataclass(slots=True)
@@ -52,6 +75,12 @@ class UnitProfiler:
         self.activation_bytes: dict[int, int] = {}
         self.param_bytes: dict[int, int] = {}
         self.optimizer_s: list[float] = []  # the rank's AdamW step
+        # Plain steps (hooks off): per action kind, wall seconds minus receive waits.
+        self.hooks = True
+        self.action_s: dict[str, list[float]] = defaultdict(list)
+        self.step_parts: list[dict[str, float]] = []  # pipeline and post-pipeline seconds
+        self._waited = 0.0
+        self._step_waited = 0.0
         self._traces: dict[tuple[int, int], _Trace] = {}
         self._stage_units: dict[int, list[tuple[int, int]]] = {}  # stage -> (unit, params)
 
@@ -108,6 +137,27 @@ class UnitProfiler:
         for unit, params in units:
             self.weight_grad_s[unit].append(seconds * params / total)
 
+    def waited(self, seconds: float) -> None:
+        """A compute action spent ``seconds`` waiting for a receive: not its own time."""
+        self._waited += seconds
+        self._step_waited += seconds
+
+    def action_done(self, action: Action, seconds: float) -> None:
+        if not self.hooks:
+            self.action_s[action.kind.value].append(seconds - self._waited)
+        self._waited = 0.0
+
+    def step_done(self, pipeline_s: float, post_s: float) -> None:
+        if not self.hooks:
+            self.step_parts.append(
+                {"pipeline_s": pipeline_s, "post_s": post_s, "wait_s": self._step_waited}
+            )
+        self._step_waited = 0.0
+
+    def actions(self) -> dict[str, float]:
+        """Median wall seconds per action kind in the plain profiled steps."""
+        return {kind: statistics.median(ts) for kind, ts in sorted(self.action_s.items())}
+
     def units(self) -> dict[int, dict[str, float]]:
         """Per unit: median seconds of F, I and W, and activation and parameter bytes."""
         out = {}
@@ -163,4 +213,180 @@ def build_profile(parts: list[dict], layout, steps: tuple[int, int], config) -> 
             "seconds": statistics.median(link["seconds"] for link in links) if links else 0.0,
         },
         "ranks": ranks,
+        **_measured(parts, layout),
     }
+
+
+def _measured(parts: list[dict], layout) -> dict:
+    """What predicts other layouts: calibrated unit costs, action and step overheads."""
+    calibrations = [c for part in parts for c in part.get("calibration", [])]
+    if not calibrations:
+        return {}
+    sizes = calibrations[0]["sizes"]
+    # A stage action costs c + the sum of its units' costs, so n units alone cost n c more
+    # than the stage: c = (sum of singles - stage) / (n - 1), at each size, over all stages.
+    overhead = {}
+    for kind in CALIBRATED:
+        estimates = [
+            (sum(unit[kind][j] for unit in c["units"].values()) - c["stage"][kind][j])
+            / (len(c["units"]) - 1)
+            for c in calibrations if c["stage"] is not None
+            for j in range(len(sizes))
+        ]
+        overhead[kind] = max(0.0, statistics.median(estimates)) if estimates else 0.0
+    units = {}
+    for c in calibrations:
+        for unit, times in c["units"].items():
+            costs = {}
+            for kind in CALIBRATED:
+                small, large = (t - overhead[kind] for t in times[kind])
+                per_sample = (large - small) / (sizes[1] - sizes[0])
+                costs[kind] = {"fixed_s": small - per_sample * sizes[0], "per_sample_s": per_sample}
+            units[str(unit)] = costs
+    actions = defaultdict(list)
+    for part in parts:
+        for kind, seconds in part.get("actions_s", {}).items():
+            actions[kind].append(seconds)
+    return {
+        "calibration": {
+            "sizes": sizes,
+            "world_size": layout.world_size,
+            "action_overhead_s": overhead,
+            "units": dict(sorted(units.items(), key=lambda kv: int(kv[0]))),
+        },
+        "actions_s": {kind: statistics.median(ts) for kind, ts in sorted(actions.items())},
+        "collectives_s": max(part.get("collectives_s", 0.0) for part in parts),
+        "step_parts": {
+            str(part["rank"]): {
+                key: statistics.median(s[key] for s in part["steps"])
+                for key in ("pipeline_s", "post_s", "wait_s")
+            }
+            for part in parts if part.get("steps")
+        },
+    }
+
+
+CALIBRATED = ("forward", "backward", "input_grad", "weight_grad", "post")
+
+
+def calibrate_stage(
+    units: Sequence[Unit],
+    micro_batch_size: int,
+    tokens: Callable[[int], torch.Tensor],
+    optimizer: Callable[[list], torch.optim.Optimizer],
+    *,
+    repeats: int = 5,
+) -> dict:
+    """Time copies of one stage's units, alone and together, at two micro-batch sizes.
+
+    ``tokens(m)`` loads a micro-batch of ``m`` samples the way the run does; ``optimizer``
+    builds the run's optimizer over ``(name, parameter)`` pairs. Returns, per size, the median
+    seconds of every kind in ``CALIBRATED`` for each unit alone (``units``) and, for a stage
+    of several units, for all of them as one action (``stage``).
+    """
+    singles = [[copy.deepcopy(u)] for u in units]
+    groups = singles + ([[u for [u] in singles]] if len(units) > 1 else [])
+    sizes = [micro_batch_size, 2 * micro_batch_size]
+    out: dict = {"sizes": sizes, "units": {}, "stage": None}
+    for i, group in enumerate(groups):
+        opt = optimizer([(f"{u.index}.{n}", p) for u in group for n, p in u.named_parameters()])
+        times: dict[str, list[float]] = {kind: [] for kind in CALIBRATED}
+        for m in sizes:
+            # The first pass warms up (allocations, the optimizer's state) and is dropped.
+            runs = [_time_group(group, m, tokens, opt) for _ in range(repeats + 1)][1:]
+            for kind in CALIBRATED:
+                times[kind].append(statistics.median(run[kind] for run in runs))
+        if i < len(singles):
+            out["units"][group[0].index] = times
+        else:
+            out["stage"] = times
+    return out
+
+
+def _time_group(group: list[Unit], m: int, tokens, opt) -> dict[str, float]:
+    """One F, B, F, I, W and post-pipeline pass of ``group`` on ``m`` samples, timed."""
+    config = group[0].config
+    last = group[-1].index == config.num_units - 1
+    gen = torch.Generator().manual_seed(group[0].index)  # never the global generator
+    x0 = None
+    if group[0].index > 0:
+        x0 = torch.randn(m, config.seq_len, config.d_model, generator=gen)
+    weights = [p for u in group for p in u.parameters()]
+    out: dict[str, float] = {}
+
+    def forward():
+        ctx = UnitContext(seed=0, step=0, mb=0, device=torch.device("cpu"),
+                          load=lambda: tokens(m))
+        x = None if x0 is None else x0.clone().requires_grad_(True)
+        started = time.perf_counter()
+        h, losses = x, []
+        for unit in group:
+            h, loss = unit(h, ctx)
+            if loss is not None:
+                losses.append(loss)
+        seconds = time.perf_counter() - started
+        roots = list(losses) + ([] if last else [h])
+        grads = [torch.ones_like(r) for r in roots]
+        return seconds, x, roots, grads
+
+    out["forward"], x, roots, grads = forward()
+    started = time.perf_counter()
+    torch.autograd.backward(roots, grads)
+    out["backward"] = time.perf_counter() - started
+
+    _, x, roots, grads = forward()
+    started = time.perf_counter()
+    if x is None:  # as the runtime: a stage without input has no I; its W is the backward
+        out["input_grad"] = time.perf_counter() - started
+        started = time.perf_counter()
+        torch.autograd.backward(roots, grads, inputs=weights)
+    else:
+        _, groups = stage_backward_input(roots, grads, [x], iter(weights))
+        out["input_grad"] = time.perf_counter() - started
+        started = time.perf_counter()
+        stage_backward_weight(iter(weights), groups)
+    out["weight_grad"] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in weights])
+    coef = torch.clamp(1.0 / (torch.linalg.vector_norm(norms) + 1e-6), max=1.0)
+    for p in weights:
+        p.grad.mul_(coef)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    out["post"] = time.perf_counter() - started
+    return out
+
+
+def calibrate_trainer(trainer: Trainer, repeats: int = 5) -> list[dict]:
+    """``calibrate_stage`` for every stage of the trainer's rank, all ranks at once."""
+    from tidal_agent.data import BatchSource
+    from tidal_agent.optim import build_adamw
+
+    corpus = trainer.runtime.batches.corpus
+    trainer.world.barrier()  # every rank calibrates at the same time, sharing cores as in the run
+    return [
+        calibrate_stage(
+            module.ordered_units, trainer.layout.micro_batch_size,
+            lambda m: BatchSource(corpus, m).micro_batch(0, 0),
+            lambda named: build_adamw(named, trainer.spec.training),
+            repeats=repeats,
+        )
+        for module in trainer.stages.values()
+    ]
+
+
+def time_collectives(trainer: Trainer, repeats: int = 5) -> float:
+    """Median seconds of the step's two all-reduces: the gradient norms and the step loss."""
+    layout = trainer.layout
+    norms = torch.zeros(trainer.num_params)
+    table = torch.zeros(layout.num_micro_batches * layout.dp, trainer._num_loss_units,
+                        dtype=torch.float64)
+    times = []
+    trainer.world.barrier()
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        trainer.world.all_reduce(norms)
+        trainer.world.all_reduce(table)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])

@@ -104,8 +104,14 @@ class PipelineRuntime:
         unit order. Parameter gradients are left accumulated in ``.grad``.
         """
         self._step, self._state = step, _StepState()
+        profiler = self.profiler
         for action in actions:
-            self._handlers[action.kind](action)
+            if profiler is None:
+                self._handlers[action.kind](action)
+            else:
+                started = time.perf_counter()
+                self._handlers[action.kind](action)
+                profiler.action_done(action, time.perf_counter() - started)
         for work, _ in self._state.sends:
             work.wait()
         values = {
@@ -133,7 +139,7 @@ class PipelineRuntime:
             x = self._take_received(Kind.RECV_F, s, m, st.inputs)
             x.requires_grad_(True)
             st.inputs[(s, m)] = x
-        if self.profiler is not None:
+        if self.profiler is not None and self.profiler.hooks:
             out, losses = self.profiler.forward(s, m, self.stages[s], x, self._context(m))
         else:
             out, losses = self.stages[s](x, self._context(m))
@@ -159,7 +165,7 @@ class PipelineRuntime:
 
     def _backward_full(self, action: Action) -> None:
         s, m = action.stage, action.mb
-        if self.profiler is not None and (s, m) in self._state.inputs:
+        if self.profiler is not None and self.profiler.hooks and (s, m) in self._state.inputs:
             # Profiling measures I and W apart; the split computes the same bits as B.
             self._backward_input(Action(s, Kind.I, m))
             self._backward_weight(Action(s, Kind.W, m))
@@ -170,7 +176,7 @@ class PipelineRuntime:
         # The engine accumulates parameter gradients into .grad (mb order = call order) and
         # leaves the input gradient in x.grad.
         torch.autograd.backward(roots, grads)
-        if self.profiler is not None:  # the first stage: I and W measured together, as I
+        if self.profiler is not None and self.profiler.hooks:  # the first stage: I and W together
             self.profiler.input_grad_done(s, m, started, time.perf_counter())
         if x is not None:
             self._input_grad_done(s, m, x.grad)
@@ -186,7 +192,7 @@ class PipelineRuntime:
         # torch's split backward: the input gradient now, with the gradients reaching the
         # weight-consuming nodes kept so W need not run the backward again.
         (gx,), groups = stage_backward_input(roots, grads, [x], iter(self._params(s)))
-        if self.profiler is not None:
+        if self.profiler is not None and self.profiler.hooks:
             self.profiler.input_grad_done(s, m, started, time.perf_counter())
         self._state.weight_groups[(s, m)] = groups
         self._input_grad_done(s, m, gx)
@@ -198,11 +204,11 @@ class PipelineRuntime:
         if groups is None:
             roots, grads = self._roots(s, m)
             torch.autograd.backward(roots, grads, inputs=self._params(s))
-            if self.profiler is not None:  # the first stage: I and W measured together, as I
+            if self.profiler is not None and self.profiler.hooks:  # the first stage: I and W
                 self.profiler.input_grad_done(s, m, started, time.perf_counter())
         else:
             stage_backward_weight(iter(self._params(s)), groups)
-            if self.profiler is not None:
+            if self.profiler is not None and self.profiler.hooks:
                 self.profiler.weight_grad_done(s, time.perf_counter() - started)
         self._release(s, m)
 
@@ -255,7 +261,10 @@ class PipelineRuntime:
         posted = self._state.pending.pop((kind, s, m), None)
         if posted is not None:
             work, buf = posted
+            started = time.perf_counter()
             work.wait()
+            if self.profiler is not None:
+                self.profiler.waited(time.perf_counter() - started)
             return buf
         try:
             return local.pop((s, m))

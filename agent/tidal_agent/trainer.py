@@ -145,19 +145,25 @@ class Trainer:
         lr = lr_at(step, self.spec.training)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        started = time.perf_counter()
         loss_values = self.runtime.run_step(step, self.actions)
+        pipelined = time.perf_counter()
         if self.dp_world is not None:
             reduce_replica_gradients([p for _, p in self.named_params], self.dp_world)
         grad_norm = clip_grad_norm(
             self.indexed_params, self.num_params, self.spec.training.grad_clip,
             world=self.world, contributes=self.replica == 0, mode=self.clip_mode,
         )
-        started = time.perf_counter()
+        optimizing = time.perf_counter()
         self.optimizer.step()
-        if self.runtime.profiler is not None:
-            self.runtime.profiler.optimizer_s.append(time.perf_counter() - started)
+        profiler = self.runtime.profiler
+        if profiler is not None:
+            profiler.optimizer_s.append(time.perf_counter() - optimizing)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(step=step, loss=self._step_loss(loss_values), grad_norm=grad_norm, lr=lr)
+        loss = self._step_loss(loss_values)
+        if profiler is not None:
+            profiler.step_done(pipelined - started, time.perf_counter() - pipelined)
+        return StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr)
 
     def _step_loss(self, loss_values: dict[tuple[int, int], list[float]]) -> float:
         """Sum of every loss unit's scaled loss, micro-batch-major, then over micro-batches."""

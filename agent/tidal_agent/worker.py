@@ -24,7 +24,7 @@ import torch
 
 from tidal_agent import checkpoint
 from tidal_agent.optim import ClipMode
-from tidal_agent.profiler import UnitProfiler, build_profile
+from tidal_agent.profiler import UnitProfiler, build_profile, calibrate_trainer, time_collectives
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer, model_config
 from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world
@@ -114,6 +114,8 @@ class _Worker:
         profiling = self.opts.profile_out is not None and first <= step < last
         if profiling and trainer.runtime.profiler is None:
             trainer.runtime.profiler = UnitProfiler()
+        if profiling:  # unit hooks in the first profiled step; the others run plain, timed
+            trainer.runtime.profiler.hooks = step == first
         started = time.perf_counter()
         result = trainer.step(step)
         if self.device.type == "cuda":
@@ -143,7 +145,11 @@ class _Worker:
         p2p = trainer.profile_p2p()
         part = {"rank": trainer.world.rank, "pp_rank": trainer.pp_rank,
                 "units": profiler.units(), "p2p": p2p,
-                "optimizer_s": statistics.median(profiler.optimizer_s)}
+                "optimizer_s": statistics.median(profiler.optimizer_s),
+                "actions_s": profiler.actions(),
+                "steps": profiler.step_parts,
+                "collectives_s": time_collectives(trainer),
+                "calibration": calibrate_trainer(trainer)}
         store = trainer.world.store
         key = f"profile/gen{trainer.world.generation}"
         store.set(f"{key}/{trainer.world.rank}", json.dumps(part))

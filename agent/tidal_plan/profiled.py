@@ -1,25 +1,55 @@
 """Profiling-based predictor: a layout's step from the costs measured online.
 
-The profile (written by ``tidal run --profile``) holds, per placement unit, the measured
-forward, input-gradient and weight-gradient seconds and the bytes it keeps for its backward,
-plus the one-way P2P time of an activation and the optimizer's seconds per parameter byte.
-A candidate layout sums its stages' unit costs, scales them linearly to its micro-batch size,
-and runs its lowered schedule through the dry-run simulator.
+The profile (written by ``tidal run --profile``) comes from one run in one layout and predicts
+any other layout of the same model on the same machine. What it holds and how it is used:
 
-On a machine where ranks share cores (the CPU runner), compute slows by the oversubscription
-``ranks x threads / cores``; the profile records the cores it was taken on.
+- per placement unit, the seconds of a forward (F), a fused backward (B), an input-gradient (I)
+  and a weight-gradient (W) action and of the unit's share of the post-pipeline work (gradient
+  norms, clip, AdamW, zero_grad), each as ``fixed + per_sample x micro-batch size``: copies of
+  the units were timed at the run's micro-batch size and at twice it. On a CPU a unit's cost is
+  far from proportional to its samples (Python, dispatch and the autograd engine are a fixed
+  part), so both parts are needed to predict another micro-batch size;
+- a fixed overhead per action kind (one autograd-engine call per backward, whatever its units),
+  measured as the difference between a stage's units timed alone and together;
+- what the run's own actions took in its plain profiled steps: the ratio of the run's F/B/I/W
+  seconds to the calibrated ones (``in_run``: the runtime's bookkeeping, caches, the cores the
+  ranks share), and the seconds of posting a SEND and a RECV;
+- the one-way P2P time of an activation, and the step's two all-reduces (gradient norms and
+  step loss), timed in the profiled world.
+
+A stage action costs its kind's overhead plus its units' costs, times ``in_run``; posting
+sends and receives is added to the compute action they follow or precede (the simulator gives
+communication no rank time of its own). The lowered schedule runs through the dry-run
+simulator; the step adds the slowest rank's post-pipeline work and the two all-reduces, which
+grow with the ranks taking part (``(W - 1) / (W_profiled - 1)``, the steps of a ring).
+
+Cores: ranks that are computing at the same time share the machine's cores. With more busy
+ranks than cores (``cores / threads``) each runs at ``cores / busy`` of its speed (processor
+sharing, no other load assumed). The simulator knows no cores, so each rank gets a slowdown,
+the mean of ``max(1, busy / cores)`` over its own compute in the simulated timeline, and the
+step is simulated again until the slowdowns settle. The calibration itself ran on every rank
+of the profiled world at once; its costs are divided by that world's oversubscription.
+
+Profiles written before the calibration existed (no ``calibration`` key) still predict, the
+old way: unit costs scaled linearly by micro-batch size and by ``ranks x threads / cores``.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tidal_plan.costmodel import Prediction
+from tidal_plan.ir import Action, Kind
 from tidal_plan.layout import Layout
-from tidal_plan.simulate import Costs, plan_step, simulate
+from tidal_plan.simulate import Costs, SimResult, plan_step, simulate
+
+ACTION_KINDS = ("forward", "backward", "input_grad", "weight_grad")
+_KIND_KEYS = {"forward": "F", "backward": "B", "input_grad": "I", "weight_grad": "W"}
 
 
 class ProfileError(ValueError):
@@ -36,6 +66,41 @@ class UnitCost:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Affine:
+    """Seconds of one action on ``m`` samples: ``fixed_s + per_sample_s * m``, never below 0."""
+
+    fixed_s: float
+    per_sample_s: float
+
+    def at(self, m: int) -> float:
+        return max(0.0, self.fixed_s + self.per_sample_s * m)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Calibration:
+    """The measurements that predict other layouts; see the module docstring."""
+
+    units: tuple[Mapping[str, Affine], ...]  # per unit: ACTION_KINDS and "post"
+    action_overhead: Mapping[str, float]  # per ACTION_KINDS and "post"
+    world_size: int  # ranks that calibrated at once
+    in_run: float = 1.0
+    send_s: Mapping[str, float] = field(default_factory=dict)  # "F"/"B": posting, seconds
+    recv_s: Mapping[str, float] = field(default_factory=dict)
+    collectives_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.in_run <= 0:
+            raise ProfileError(
+                f"calibration world_size ({self.world_size}) and in_run ({self.in_run}) must be "
+                "positive: write the profile again with tidal run --profile"
+            )
+
+    def stage(self, kind: str, units: range, m: int) -> float:
+        """Seconds of one ``kind`` action of a stage of ``units`` on ``m`` samples."""
+        return self.action_overhead[kind] + sum(self.units[u][kind].at(m) for u in units)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Profile:
     units: tuple[UnitCost, ...]  # by placement unit
     micro_batch_size: int
@@ -44,6 +109,7 @@ class Profile:
     optimizer_s_per_byte: float
     cores: int
     threads: int
+    calibration: Calibration | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -53,7 +119,7 @@ class Profile:
                 UnitCost(**{k: units[str(u)][k] for k in UnitCost.__slots__})
                 for u in range(len(units))
             )
-            return cls(
+            profile = cls(
                 units=costs,
                 micro_batch_size=data["micro_batch_size"],
                 seq_tokens=data.get("seq_tokens", 0),
@@ -62,8 +128,79 @@ class Profile:
                 cores=data.get("cores", 0),
                 threads=data.get("threads", 1),
             )
+            if "calibration" not in data:
+                return profile
+            calibration = _calibration(data, len(units))
         except KeyError as err:
             raise ProfileError(f"profile lacks {err}: write it with tidal run --profile") from None
+        profile = Profile(**{k: getattr(profile, k) for k in cls.__slots__
+                             if k != "calibration"}, calibration=calibration)
+        return Profile(**{k: getattr(profile, k) for k in cls.__slots__ if k != "p2p_seconds"},
+                       p2p_seconds=_message_latency(profile, data))
+
+
+def _calibration(data: dict[str, Any], num_units: int) -> Calibration:
+    raw = data["calibration"]
+    units = tuple(
+        {kind: Affine(**costs) for kind, costs in raw["units"][str(u)].items()}
+        for u in range(num_units)
+    )
+    actions = data.get("actions_s", {})
+    calibration = Calibration(
+        units=units,
+        action_overhead=raw["action_overhead_s"],
+        world_size=raw["world_size"],
+        send_s={p: actions.get(f"SEND_{p}", 0.0) for p in "FB"},
+        recv_s={p: actions.get(f"RECV_{p}", 0.0) for p in "FB"},
+        collectives_s=data.get("collectives_s", 0.0),
+    )
+    if "layout" not in data or not actions:
+        return calibration
+    # In-run factor: the run's own action seconds against the calibrated ones, in the
+    # profiled layout (median action of each kind against the median stage's).
+    layout = Layout(**data["layout"])
+    m = layout.micro_batch_size
+    real = calibrated = 0.0
+    for kind, key in _KIND_KEYS.items():
+        if key in actions:
+            stages = sorted(calibration.stage(kind, layout.stage_units(s), m)
+                            for s in range(layout.num_stages))
+            real += actions[key]
+            calibrated += stages[len(stages) // 2]
+    if not real or not calibrated:
+        return calibration
+    return Calibration(**{k: getattr(calibration, k) for k in Calibration.__slots__
+                          if k != "in_run"}, in_run=real / calibrated)
+
+
+def _message_latency(profile: Profile, data: dict[str, Any]) -> float:
+    """One message's latency as the profiled pipeline saw it, at least the ping-pong's.
+
+    A blocked rank wakes up late when the cores are busy (its own peers, gloo's threads, other
+    load), so a message costs the pipeline more than an idle ping-pong shows. The latency is
+    the one with which the dry run of the profiled layout takes as long as its plain profiled
+    steps' pipeline did (the slowest rank's median).
+    """
+    parts = data.get("step_parts") or {}
+    if "layout" not in data or not parts:
+        return profile.p2p_seconds
+    layout = Layout(**data["layout"])
+    if layout.pp == 1:
+        return profile.p2p_seconds
+    measured = max(part["pipeline_s"] for part in parts.values())
+
+    def makespan(latency: float) -> float:
+        trial = Profile(**{k: getattr(profile, k) for k in Profile.__slots__
+                           if k != "p2p_seconds"}, p2p_seconds=latency)
+        return _settle(trial, layout)[1].makespan
+
+    low, high = profile.p2p_seconds, max(profile.p2p_seconds, measured)
+    if makespan(low) >= measured:
+        return low
+    for _ in range(30):  # bisection: the makespan grows with the latency
+        mid = (low + high) / 2
+        low, high = (mid, high) if makespan(mid) < measured else (low, mid)
+    return (low + high) / 2
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -73,18 +210,73 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"{path}: {err}") from None
 
 
+def _check_units(profile: Profile, layout: Layout) -> None:
+    if layout.num_units != len(profile.units):
+        raise ProfileError(
+            f"the profile has {len(profile.units)} units; the layout {layout.num_units}"
+        )
+
+
+def _cores(profile: Profile) -> float:
+    """Ranks that can compute at once without slowing each other; infinite if unknown."""
+    return profile.cores / profile.threads if profile.cores else float("inf")
+
+
 def _contention(profile: Profile, layout: Layout) -> float:
     if not profile.cores:
         return 1.0
     return max(1.0, layout.world_size * profile.threads / profile.cores)
 
 
-def profiled_costs(profile: Profile, layout: Layout) -> Costs:
-    """Per-stage simulator costs of ``layout`` from the profile."""
-    if layout.num_units != len(profile.units):
-        raise ProfileError(
-            f"the profile has {len(profile.units)} units; the layout {layout.num_units}"
-        )
+def _calibrated_costs(
+    profile: Profile, layout: Layout, lowered: Mapping[int, Sequence[Action]],
+    slowdown: Sequence[float],
+) -> Costs:
+    cal = profile.calibration
+    assert cal is not None
+    m, last = layout.micro_batch_size, layout.num_stages - 1
+    # The calibration ran with the profiled world's ranks all busy at once.
+    scale = cal.in_run / max(1.0, cal.world_size / _cores(profile))
+    split_stages = {a.stage for actions in lowered.values() for a in actions if a.kind is Kind.I}
+    forward, input_grad, weight_grad = [], [], []
+    for s in range(layout.num_stages):
+        units, slow = layout.stage_units(s), slowdown[layout.stage_rank(s)]
+
+        def cost(kind: str, units=units) -> float:
+            return scale * cal.stage(kind, units, m)
+
+        def remote(other: int, s=s) -> bool:
+            return layout.stage_rank(other) != layout.stage_rank(s)
+
+        f = cost("forward")
+        f += cal.recv_s["F"] if s > 0 and remote(s - 1) else 0.0
+        f += cal.send_s["F"] if s < last and remote(s + 1) else 0.0
+        b_comm = (cal.recv_s["B"] if s < last and remote(s + 1) else 0.0) + (
+            cal.send_s["B"] if s > 0 and remote(s - 1) else 0.0)
+        if s not in split_stages:
+            i, w = cost("backward") + b_comm, 0.0
+        elif s == 0:  # no input gradient: I does nothing and W is the whole backward
+            i, w = b_comm, cost("backward")
+        else:
+            i, w = cost("input_grad") + b_comm, cost("weight_grad")
+        forward.append(slow * f)
+        input_grad.append(slow * i)
+        weight_grad.append(slow * w)
+    ratio = m / profile.micro_batch_size
+    return Costs(
+        forward=tuple(forward),
+        input_grad=tuple(input_grad),
+        weight_grad=tuple(weight_grad),
+        comm=profile.p2p_seconds,  # a wake-up latency, not a transfer: the same for any size
+        activation_bytes=tuple(
+            ratio * sum(profile.units[u].activation_bytes for u in layout.stage_units(s))
+            for s in range(layout.num_stages)
+        ),
+    )
+
+
+def _linear_costs(profile: Profile, layout: Layout) -> Costs:
+    """The pre-calibration model: unit costs scaled by micro-batch size and oversubscription."""
     scale = layout.micro_batch_size / profile.micro_batch_size
     slow = scale * _contention(profile, layout)
 
@@ -103,15 +295,81 @@ def profiled_costs(profile: Profile, layout: Layout) -> Costs:
     )
 
 
+def rank_slowdown(sim: SimResult, cores: float, replicas: int = 1) -> tuple[float, ...]:
+    """Per rank, the mean of ``max(1, busy / cores)`` over its compute spans in ``sim``.
+
+    ``busy`` counts the ranks computing at each moment, over ``replicas`` identical pipelines.
+    """
+    spans = [
+        [(s.start, s.end) for s in timeline if s.action.kind.is_compute and s.end > s.start]
+        for timeline in sim.timeline
+    ]
+    edges = sorted({t for rank in spans for span in rank for t in span})
+    change = [0] * len(edges)
+    for rank in spans:
+        for start, end in rank:
+            change[bisect.bisect_left(edges, start)] += 1
+            change[bisect.bisect_left(edges, end)] -= 1
+    stretch, busy = [], 0  # per elementary interval [edges[i], edges[i + 1])
+    for i in range(len(edges) - 1):
+        busy += change[i]
+        stretch.append(max(1.0, replicas * busy / cores))
+    out = []
+    for rank in spans:
+        stretched = total = 0.0
+        for start, end in rank:
+            for i in range(bisect.bisect_left(edges, start), bisect.bisect_left(edges, end)):
+                stretched += (edges[i + 1] - edges[i]) * stretch[i]
+            total += end - start
+        out.append(stretched / total if total else 1.0)
+    return tuple(out)
+
+
+def _settle(profile: Profile, layout: Layout, rounds: int = 12) -> tuple[Costs, SimResult]:
+    """Costs and dry run of ``layout`` with each rank's slowdown from sharing the cores."""
+    lowered = plan_step(layout)
+    slowdown = [1.0] * layout.pp
+    costs = _calibrated_costs(profile, layout, lowered, slowdown)
+    sim = simulate(layout, lowered, costs).raise_on_deadlock()
+    cores = _cores(profile)
+    if layout.world_size <= cores:
+        return costs, sim
+    for _ in range(rounds):
+        target = rank_slowdown(sim, cores, layout.dp)
+        if max(abs(a - b) for a, b in zip(target, slowdown, strict=True)) < 1e-3:
+            break
+        slowdown = [(a + b) / 2 for a, b in zip(target, slowdown, strict=True)]  # damped
+        costs = _calibrated_costs(profile, layout, lowered, slowdown)
+        sim = simulate(layout, lowered, costs).raise_on_deadlock()
+    return costs, sim
+
+
+def profiled_costs(profile: Profile, layout: Layout) -> Costs:
+    """Per-stage simulator costs of ``layout`` from the profile (with core sharing settled)."""
+    _check_units(profile, layout)
+    if profile.calibration is None:
+        return _linear_costs(profile, layout)
+    return _settle(profile, layout)[0]
+
+
 def predict_profiled(profile: Profile, layout: Layout, seq_len: int) -> Prediction:
     """Step time and per-rank peak memory of ``layout`` from measured costs."""
-    sim = simulate(layout, plan_step(layout), profiled_costs(profile, layout)).raise_on_deadlock()
+    _check_units(profile, layout)
     rank_params = [
         sum(profile.units[u].param_bytes for s in layout.rank_stages(r) for u in layout.stage_units(s))
         for r in range(layout.pp)
     ]
-    optimizer = profile.optimizer_s_per_byte * max(rank_params) * _contention(profile, layout)
-    step = sim.makespan + optimizer
+    cal = profile.calibration
+    if cal is None:
+        sim = simulate(layout, plan_step(layout), _linear_costs(profile, layout))
+        sim.raise_on_deadlock()
+        post = profile.optimizer_s_per_byte * max(rank_params) * _contention(profile, layout)
+        collectives = 0.0
+    else:
+        _, sim = _settle(profile, layout)
+        post = _post_pipeline(profile, layout)
+        collectives = _collectives(profile, layout)
+    step = sim.makespan + post + collectives
     tokens = layout.dp * layout.num_micro_batches * layout.micro_batch_size * seq_len
     # State: parameters, gradients and two AdamW moments, all fp32 on this runner.
     peak = tuple(4 * p + a for p, a in zip(rank_params, sim.peak_memory, strict=True))
@@ -119,9 +377,33 @@ def predict_profiled(profile: Profile, layout: Layout, seq_len: int) -> Predicti
         step_seconds=step,
         tokens_per_second=tokens / step,
         pipeline_seconds=sim.makespan,
-        optimizer_seconds=optimizer,
-        allreduce_seconds=0.0,
+        optimizer_seconds=post,
+        allreduce_seconds=collectives,
         bubble_fraction=sim.bubble_fraction,
         peak_memory_bytes=peak,
         fits=True,
     )
+
+
+def _post_pipeline(profile: Profile, layout: Layout) -> float:
+    """Clip and AdamW after the pipeline: every rank at once, sharing the cores."""
+    cal = profile.calibration
+    assert cal is not None
+    scale = 1.0 / max(1.0, cal.world_size / _cores(profile))
+    # The post-pipeline work depends on the parameters, not on the micro-batch size.
+    m = profile.micro_batch_size
+    per_rank = [
+        scale * (cal.action_overhead["post"] + sum(
+            cal.units[u]["post"].at(m) for s in layout.rank_stages(r) for u in layout.stage_units(s)
+        ))
+        for r in range(layout.pp)
+    ]
+    return max(max(per_rank), layout.dp * sum(per_rank) / _cores(profile))
+
+
+def _collectives(profile: Profile, layout: Layout) -> float:
+    cal = profile.calibration
+    assert cal is not None
+    if cal.world_size == 1:
+        return cal.collectives_s
+    return cal.collectives_s * (layout.world_size - 1) / (cal.world_size - 1)

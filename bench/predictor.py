@@ -1,0 +1,179 @@
+"""The profiling-based predictor against measured step times, layout by layout.
+
+One run of the job in a base layout (pp=2, 1F1B, the job's micro-batch size) writes the online
+profile; ``predict_profiled`` then prices every candidate layout (pp 1 to 4, GPipe, 1F1B,
+interleaved and zero-bubble schedules, uneven partitions, two micro-batch sizes), and each
+candidate is trained for real with ``run_local`` and its median step time taken (warm-up steps
+dropped). Candidates are measured in ``--rounds`` rounds, in reverse order on odd rounds, so
+that slow drift of the machine's load falls on all of them alike; a candidate's measured time
+is the median over all its timed steps.
+
+Prints a per-layout table on stderr and JSON on stdout: per candidate the predicted and
+measured seconds and the error |pred - meas| / meas; ``median_abs_error``, ``max_abs_error``
+and ``choice_gap``: per worker count, measured(lowest predicted) / measured(lowest measured)
+- 1, the worst over worker counts.
+
+    python bench/predictor.py [--job examples/tiny.yaml] [--steps 10] [--rounds 2] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "agent"), str(ROOT / "operator")]
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from tidal_agent.runner import run_local  # noqa: E402
+from tidal_api import ElasticTrainingJob, parse_job  # noqa: E402
+from tidal_plan.layout import Layout, build_layout  # noqa: E402
+from tidal_plan.profiled import Profile, predict_profiled  # noqa: E402
+
+# (workers, schedule, micro-batch size as a multiple of the job's, partition, virtual stages)
+CANDIDATES = [
+    (1, "1f1b", 1, None, 1),
+    (1, "1f1b", 2, None, 1),
+    (2, "1f1b", 1, None, 1),
+    (2, "gpipe", 1, None, 1),
+    (2, "zb", 1, None, 1),
+    (2, "1f1b", 1, "uneven", 1),
+    (2, "1f1b", 2, None, 1),
+    (2, "interleaved", 1, None, 2),
+    (3, "1f1b", 1, None, 1),
+    (3, "zb", 1, "uneven", 1),
+    (4, "1f1b", 1, None, 1),
+    (4, "gpipe", 2, None, 1),
+]
+TINY = [CANDIDATES[0], CANDIDATES[2], CANDIDATES[6]]
+
+
+def _job(doc: dict, micro_batch_size: int) -> ElasticTrainingJob:
+    doc = json.loads(json.dumps(doc))
+    doc["spec"]["training"]["microBatchSize"] = micro_batch_size
+    return parse_job(doc)
+
+
+def _uneven(num_units: int, stages: int) -> tuple[int, ...]:
+    """More units on the first stage than an even split gives: (units - k) then the rest."""
+    rest, extra = divmod(num_units - 1, stages)
+    parts = [rest + (1 if s < extra else 0) for s in range(stages)]
+    parts[0] += 1
+    parts[-1] -= 1
+    if parts[-1] < 1:
+        raise SystemExit(f"no uneven partition of {num_units} units into {stages} stages")
+    return tuple(parts)
+
+
+def candidates(doc: dict, chosen: list[tuple]) -> list[tuple[Layout, ElasticTrainingJob]]:
+    job = parse_job(doc)
+    units, training = job.spec.model.num_units, job.spec.training
+    out = []
+    for workers, schedule, times, partition, virtual in chosen:
+        mbs = training.micro_batch_size * times
+        stages = workers * virtual
+        layout = build_layout(
+            num_units=units, workers=workers, schedule=schedule,
+            micro_batch_size=mbs, num_micro_batches=training.global_batch_size // mbs,
+            partition=_uneven(units, stages) if partition == "uneven" else None,
+            virtual_stages=virtual,
+        )
+        out.append((layout, _job(doc, mbs)))
+    return out
+
+
+def measure(job: ElasticTrainingJob, layout: Layout, steps: int, warmup: int) -> list[float]:
+    report = run_local(job, layout, steps=warmup + steps)
+    return [s["seconds"] for s in report["steps"][warmup:]]
+
+
+def choice_gap(rows: list[dict]) -> float:
+    gaps = []
+    for workers in sorted({row["workers"] for row in rows}):
+        group = [row for row in rows if row["workers"] == workers]
+        chosen = min(group, key=lambda row: row["predicted_s"])
+        best = min(group, key=lambda row: row["measured_s"])
+        gaps.append(chosen["measured_s"] / best["measured_s"] - 1)
+    return max(gaps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", default=str(ROOT / "examples" / "tiny.yaml"))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per candidate run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every candidate")
+    parser.add_argument("--tiny", action="store_true", help="three layouts, few steps")
+    parser.add_argument("--json", type=Path, help="also write the JSON report here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.tiny:
+        args.steps, args.rounds = min(args.steps, 3), 1
+    doc = yaml.safe_load(Path(args.job).read_text())
+    base_job = parse_job(doc)
+    runs = candidates(doc, TINY if args.tiny else CANDIDATES)
+    base = candidates(doc, [(2, "1f1b", 1, None, 1)])[0][0]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        profile_path = Path(tmp) / "profile.json"
+        print(f"profiling {base.describe()}...", file=sys.stderr, flush=True)
+        run_local(base_job, base, steps=5, profile_out=profile_path)
+        profile_doc = json.loads(profile_path.read_text())
+    profile = Profile.from_dict(profile_doc)
+    seq_len = base_job.spec.model.seq_len
+
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(args.rounds):
+        order = list(range(len(runs)))[:: 1 if round_ % 2 == 0 else -1]
+        for i in order:
+            layout, job = runs[i]
+            print(f"round {round_ + 1}: {layout.describe()}", file=sys.stderr, flush=True)
+            times[i] += measure(job, layout, args.steps, args.warmup)
+
+    rows = []
+    for (layout, _), measured in zip(runs, times, strict=True):
+        predicted = predict_profiled(profile, layout, seq_len).step_seconds
+        meas = statistics.median(measured)
+        rows.append({
+            "layout": layout.describe(),
+            "workers": layout.world_size,
+            "predicted_s": predicted,
+            "measured_s": meas,
+            "error": abs(predicted - meas) / meas,
+        })
+    print(f"{'layout':36s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}", file=sys.stderr)
+    for row in rows:
+        print(f"{row['layout']:36s} {row['predicted_s'] * 1e3:8.1f} "
+              f"{row['measured_s'] * 1e3:8.1f} {row['error']:7.1%}", file=sys.stderr)
+    errors = [row["error"] for row in rows]
+    report = {
+        "benchmark": "predictor",
+        "job": base_job.metadata.name,
+        "profiled_layout": base.describe(),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "profile": {
+            "message_latency_s": profile.p2p_seconds,
+            "in_run": profile.calibration.in_run if profile.calibration else None,
+        },
+        "layouts": rows,
+        "median_abs_error": statistics.median(errors),
+        "max_abs_error": max(errors),
+        "choice_gap": choice_gap(rows),
+    }
+    text = json.dumps(report, indent=2)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
