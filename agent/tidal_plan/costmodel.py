@@ -10,11 +10,12 @@ docstring): good for ranking layouts, not for promising seconds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tidal_plan.devices import Device
 from tidal_plan.layout import Layout
-from tidal_plan.simulate import Costs, plan_step, simulate
+from tidal_plan.simulate import Costs, estimate_step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -213,24 +214,136 @@ def unit_activation_bytes(
     return tokens * per_token * dtype_bytes / 2
 
 
-def unit_param_bytes(shape: ModelShape, unit: int, dtype_bytes: int) -> int:
-    """Bytes of ``unit``'s parameters and gradients in the training dtype."""
-    return 2 * unit_params(shape, unit) * dtype_bytes
+# --- sharding inside a pipeline rank ------------------------------------------------------------
 
 
-def unit_optimizer_bytes(shape: ModelShape, unit: int, dtype_bytes: int) -> int:
-    """Bytes of ``unit``'s AdamW state: two fp32 moments, plus an fp32 master copy in 16-bit.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sharding:
+    """How one pipeline rank spreads over GPUs, and how state is sharded over replicas.
 
-    Not sharded (no ZeRO): every data-parallel replica holds all of it.
+    ``cp`` GPUs share each micro-batch's sequence (context parallelism, ring attention with a
+    load-balanced causal mask): each computes and keeps a ``1 / cp`` share of the tokens and
+    holds every parameter. ``ep`` GPUs among the ``dp x cp`` GPUs of a stage share its routed
+    experts (expert parallelism: an all-to-all sends each token to its experts and back).
+    ``distributed_optimizer`` shards AdamW state over the GPUs that hold the same parameters
+    (ZeRO-1, Megatron's distributed optimizer). Tensor parallelism is not modelled.
     """
-    per_param = 8 + (4 if dtype_bytes == 2 else 0)
-    return unit_params(shape, unit) * per_param
+
+    cp: int = 1
+    ep: int = 1
+    distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cp < 1 or self.ep < 1:
+            raise ValueError(f"cp ({self.cp}) and ep ({self.ep}) must be at least 1")
+
+    @property
+    def gpus_per_rank(self) -> int:
+        return self.cp
+
+    def check(self, shape: ModelShape, dp: int) -> None:
+        """Raise ``ValueError`` unless the experts split over ``ep`` of the stage's GPUs."""
+        if self.ep == 1:
+            return
+        if not shape.is_moe:
+            raise ValueError(f"ep={self.ep} needs an MoE model: set ep to 1 for a dense one")
+        if shape.experts % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide the {shape.experts} experts")
+        if (dp * self.cp) % self.ep:
+            raise ValueError(
+                f"ep ({self.ep}) must divide dp x cp ({dp} x {self.cp}), the GPUs of a stage"
+            )
 
 
-def unit_state_bytes(shape: ModelShape, unit: int, dtype_bytes: int) -> int:
-    """Everything ``unit`` keeps across steps: 16 bytes per parameter in bf16 or in fp32."""
-    return unit_param_bytes(shape, unit, dtype_bytes) + unit_optimizer_bytes(
-        shape, unit, dtype_bytes
+NO_SHARDING = Sharding()
+
+
+def unit_expert_params(shape: ModelShape, unit: int) -> int:
+    """Parameters of ``unit``'s routed experts, the part expert parallelism shards."""
+    if shape.unit_kind(unit) != "block" or not shape.is_moe:
+        return 0
+    return shape.experts * _expert_params(shape.d_model, shape.expert_hidden or 0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitCosts:
+    """One placement unit on one GPU for one micro-batch: seconds and bytes.
+
+    ``state_bytes`` is what the unit keeps across steps on a GPU (parameters, gradients,
+    optimizer state), ``activation_bytes`` what one micro-batch's forward keeps for its backward;
+    ``grad_bytes`` are the gradients the data-parallel reduction moves, weighted by the share of
+    the ring each crosses.
+    """
+
+    forward_s: float
+    input_grad_s: float
+    weight_grad_s: float
+    activation_bytes: float
+    state_bytes: float
+    allreduce_bytes: float
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_s + self.input_grad_s + self.weight_grad_s
+
+
+def _ring(n: int) -> float:
+    """Share of a buffer each GPU sends in a ring all-reduce over ``n`` GPUs."""
+    return 2 * (n - 1) / n
+
+
+def unit_costs(
+    shape: ModelShape,
+    unit: int,
+    micro_batch_size: int,
+    device: Device,
+    *,
+    dp: int = 1,
+    sharding: Sharding = NO_SHARDING,
+) -> UnitCosts:
+    """What ``unit`` costs each GPU of its stage per micro-batch, under ``sharding``.
+
+    Compute is the unit's FLOPs on the GPU's ``1 / cp`` of the tokens over ``matmul_flops``.
+    Communication inside a stage is counted as exposed (not overlapped): ring attention passes
+    K and V (``2 tokens d`` elements per hop, ``cp - 1`` hops; twice that backward) and expert
+    parallelism sends each token's hidden state to its ``top_k`` experts and back
+    (``(ep - 1) / ep`` of them remote), forward and backward, over NVLink within a node
+    and ``p2p_bandwidth`` across nodes.
+    """
+    tokens = micro_batch_size * shape.seq_len / sharding.cp
+    dtype = device.dtype_bytes
+    flops = unit_flops(shape, unit, tokens)
+    rate = device.matmul_flops
+    comm = 0.0
+    if shape.unit_kind(unit) == "block":
+        hidden = tokens * shape.d_model * dtype
+        if sharding.cp > 1:
+            comm += 2 * hidden * (sharding.cp - 1) / device.bandwidth(sharding.cp)
+        if sharding.ep > 1:
+            a2a = 2 * hidden * shape.top_k * (sharding.ep - 1) / sharding.ep
+            comm += a2a / device.bandwidth(sharding.ep)
+    params, experts = unit_params(shape, unit), unit_expert_params(shape, unit)
+    dense = params - experts
+    replicas = dp * sharding.cp  # GPUs that hold a dense parameter of this stage
+    expert_replicas = replicas // sharding.ep
+    per_param = 8 + (4 if dtype == 2 else 0)  # two fp32 moments (+ an fp32 master copy)
+    shard, expert_shard = (
+        (replicas, expert_replicas) if sharding.distributed_optimizer else (1, 1)
+    )
+    local_experts = experts / sharding.ep
+    state = (
+        2 * dtype * (dense + local_experts)  # parameters and gradients
+        + per_param * (dense / shard + local_experts / expert_shard)
+    )
+    allreduce = dtype * (dense * _ring(replicas) + local_experts * _ring(expert_replicas))
+    return UnitCosts(
+        forward_s=flops.forward / rate + comm,
+        input_grad_s=flops.input_grad / rate + 2 * comm,
+        weight_grad_s=flops.weight_grad / rate,
+        activation_bytes=unit_activation_bytes(shape, unit, micro_batch_size, dtype)
+        / sharding.cp,
+        state_bytes=state,
+        allreduce_bytes=allreduce,
     )
 
 
@@ -245,44 +358,57 @@ def _check_layout(shape: ModelShape, layout: Layout) -> None:
         )
 
 
-def model_costs(shape: ModelShape, layout: Layout, device: Device) -> Costs:
-    """Per-stage costs of ``layout`` for the simulator, in seconds and bytes.
+def stage_costs(units: Sequence[UnitCosts], layout: Layout, comm: float) -> Costs:
+    """The simulator's per-stage costs of ``layout``: each stage sums its units."""
 
-    A stage's F, I and W take its units' FLOPs over ``device.matmul_flops``; a message between
-    neighbours carries one micro-batch's hidden state (``mbs seq d`` elements) and costs its
-    bytes over ``p2p_bandwidth`` plus ``p2p_latency_s``.
+    def per_stage(field: str) -> tuple[float, ...]:
+        return tuple(
+            sum(getattr(units[u], field) for u in layout.stage_units(stage))
+            for stage in range(layout.num_stages)
+        )
+
+    return Costs(
+        forward=per_stage("forward_s"),
+        input_grad=per_stage("input_grad_s"),
+        weight_grad=per_stage("weight_grad_s"),
+        comm=comm,
+        activation_bytes=per_stage("activation_bytes"),
+    )
+
+
+def message_seconds(
+    shape: ModelShape, micro_batch_size: int, device: Device, sharding: Sharding = NO_SHARDING
+) -> float:
+    """One message between pipeline neighbours: each GPU's share of the hidden state."""
+    tokens = micro_batch_size * shape.seq_len / sharding.cp
+    message_bytes = tokens * shape.d_model * device.dtype_bytes
+    return message_bytes / device.p2p_bandwidth + device.p2p_latency_s
+
+
+def model_costs(
+    shape: ModelShape, layout: Layout, device: Device, sharding: Sharding = NO_SHARDING
+) -> Costs:
+    """Per-stage costs of ``layout`` for the simulator, in seconds and bytes (``unit_costs``).
+
+    A message between neighbours carries one micro-batch's hidden state (``mbs seq d``
+    elements, split over ``cp``) and costs its bytes over ``p2p_bandwidth`` plus
+    ``p2p_latency_s``.
     """
     _check_layout(shape, layout)
-    tokens = layout.micro_batch_size * shape.seq_len
-    rate = device.matmul_flops
-    forward, input_grad, weight_grad, activations = [], [], [], []
-    for stage in range(layout.num_stages):
-        flops = [unit_flops(shape, u, tokens) for u in layout.stage_units(stage)]
-        forward.append(sum(f.forward for f in flops) / rate)
-        input_grad.append(sum(f.input_grad for f in flops) / rate)
-        weight_grad.append(sum(f.weight_grad for f in flops) / rate)
-        activations.append(
-            sum(
-                unit_activation_bytes(shape, u, layout.micro_batch_size, device.dtype_bytes)
-                for u in layout.stage_units(stage)
-            )
-        )
-    message_bytes = tokens * shape.d_model * device.dtype_bytes
-    return Costs(
-        forward=tuple(forward),
-        input_grad=tuple(input_grad),
-        weight_grad=tuple(weight_grad),
-        comm=message_bytes / device.p2p_bandwidth + device.p2p_latency_s,
-        activation_bytes=tuple(activations),
-    )
+    units = [
+        unit_costs(shape, u, layout.micro_batch_size, device, dp=layout.dp, sharding=sharding)
+        for u in range(shape.num_units)
+    ]
+    return stage_costs(units, layout, message_seconds(shape, layout.micro_batch_size, device,
+                                                      sharding))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prediction:
-    """What the modeling-based predictor expects of one step of a layout.
+    """What a predictor expects of one step of a layout.
 
     ``peak_memory_bytes`` has one entry per pipeline rank (every data-parallel replica is the
-    same); ``fits`` says every rank stays within the device's memory.
+    same), per GPU; ``fits`` says every rank stays within the device's memory.
     """
 
     step_seconds: float
@@ -295,43 +421,83 @@ class Prediction:
     fits: bool
 
 
-def predict(shape: ModelShape, layout: Layout, device: Device) -> Prediction:
-    """Step time, throughput and per-rank peak memory of ``layout`` for ``shape`` on ``device``.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepModel:
+    """A layout's step before simulation: the pipeline's costs and what follows it.
 
-    The step is the simulated pipeline makespan, then the data-parallel gradient all-reduce
-    (ring: ``2 (dp - 1) / dp`` of the rank's gradient bytes over ``p2p_bandwidth``, not
-    overlapped with the backward), then the optimizer step (memory-bound: AdamW reads and
-    writes each rank's whole state once, over ``memory_bandwidth``). Ranks run in parallel,
-    so each phase costs its slowest rank. Memory is a rank's state plus the simulator's peak
-    of live activations; CUDA context, workspaces, communication buffers and fragmentation
-    are not counted, so leave headroom.
+    ``after_pipeline_s`` (the all-reduce and the optimizer) adds to the simulated makespan;
+    ``state_bytes`` is each pipeline rank's memory before activations.
     """
-    costs = model_costs(shape, layout, device)
-    sim = simulate(layout, plan_step(layout), costs).raise_on_deadlock()
-    dtype = device.dtype_bytes
+
+    costs: Costs
+    allreduce_s: float
+    optimizer_s: float
+    state_bytes: tuple[float, ...]
+    tokens: int
+    memory_bytes: float
+
+    @property
+    def after_pipeline_s(self) -> float:
+        return self.allreduce_s + self.optimizer_s
+
+    def finish(self, makespan: float, bubble: float, peak: Sequence[float]) -> Prediction:
+        step = makespan + self.after_pipeline_s
+        memory = tuple(s + a for s, a in zip(self.state_bytes, peak, strict=True))
+        return Prediction(
+            step_seconds=step,
+            tokens_per_second=self.tokens / step,
+            pipeline_seconds=makespan,
+            optimizer_seconds=self.optimizer_s,
+            allreduce_seconds=self.allreduce_s,
+            bubble_fraction=bubble,
+            peak_memory_bytes=memory,
+            fits=all(p <= self.memory_bytes for p in memory),
+        )
+
+
+def step_model(
+    shape: ModelShape, layout: Layout, device: Device, sharding: Sharding = NO_SHARDING
+) -> StepModel:
+    """Everything ``predict`` needs but the simulation (see there)."""
+    _check_layout(shape, layout)
+    sharding.check(shape, layout.dp)
+    units = [
+        unit_costs(shape, u, layout.micro_batch_size, device, dp=layout.dp, sharding=sharding)
+        for u in range(shape.num_units)
+    ]
+    comm = message_seconds(shape, layout.micro_batch_size, device, sharding)
     rank_units = [
         [u for stage in layout.rank_stages(rank) for u in layout.stage_units(stage)]
         for rank in range(layout.pp)
     ]
-    state = [sum(unit_state_bytes(shape, u, dtype) for u in units) for units in rank_units]
-    grads = [sum(unit_params(shape, u) * dtype for u in units) for units in rank_units]
-    allreduce = 0.0
-    if layout.dp > 1:
-        allreduce = 2 * (layout.dp - 1) / layout.dp * max(grads) / device.p2p_bandwidth
-    optimizer = 2 * max(state) / device.memory_bandwidth
-    step = sim.makespan + allreduce + optimizer
-    tokens = layout.dp * layout.num_micro_batches * layout.micro_batch_size * shape.seq_len
-    peak = tuple(s + a for s, a in zip(state, sim.peak_memory))
-    return Prediction(
-        step_seconds=step,
-        tokens_per_second=tokens / step,
-        pipeline_seconds=sim.makespan,
-        optimizer_seconds=optimizer,
-        allreduce_seconds=allreduce,
-        bubble_fraction=sim.bubble_fraction,
-        peak_memory_bytes=peak,
-        fits=all(p <= device.memory_bytes for p in peak),
+    state = tuple(sum(units[u].state_bytes for u in ids) for ids in rank_units)
+    moved = max(sum(units[u].allreduce_bytes for u in ids) for ids in rank_units)
+    return StepModel(
+        costs=stage_costs(units, layout, comm),
+        allreduce_s=moved / device.p2p_bandwidth,
+        optimizer_s=2 * max(state) / device.memory_bandwidth,
+        state_bytes=state,
+        tokens=layout.dp * layout.num_micro_batches * layout.micro_batch_size * shape.seq_len,
+        memory_bytes=device.memory_bytes,
     )
+
+
+def predict(
+    shape: ModelShape, layout: Layout, device: Device, sharding: Sharding = NO_SHARDING
+) -> Prediction:
+    """Step time, throughput and per-rank peak memory of ``layout`` for ``shape`` on ``device``.
+
+    The step is the simulated pipeline makespan, then the data-parallel gradient all-reduce
+    (ring over the GPUs holding each parameter, over ``p2p_bandwidth``, not overlapped with
+    the backward), then the optimizer step (memory-bound: AdamW reads and writes each GPU's
+    whole state once, over ``memory_bandwidth``). Ranks run in parallel, so each phase costs
+    its slowest rank. Memory is a GPU's state plus the simulator's peak of live activations;
+    CUDA context, workspaces, communication buffers and fragmentation are not counted, so
+    leave headroom.
+    """
+    model = step_model(shape, layout, device, sharding)
+    sim = estimate_step(layout, model.costs)
+    return model.finish(sim.makespan, sim.bubble_fraction, sim.peak_memory)
 
 
 # --- FlexTrain's configurations -----------------------------------------------------------------

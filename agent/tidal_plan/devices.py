@@ -25,8 +25,10 @@ class Device:
 
     ``peak_flops`` is dense matmul FLOP/s in the training dtype; ``p2p_bandwidth`` and
     ``p2p_latency_s`` describe one message between pipeline neighbours (and the links the
-    data-parallel all-reduce runs over); ``dtype_bytes`` is the size of a parameter, gradient
-    and activation element (2 for bf16, 4 for fp32).
+    data-parallel all-reduce runs over); ``nvlink_bandwidth`` is one GPU's share of the links
+    inside a node of ``gpus_per_node`` GPUs (0: none faster than ``p2p_bandwidth``);
+    ``dtype_bytes`` is the size of a parameter, gradient and activation element (2 for bf16,
+    4 for fp32).
     """
 
     name: str
@@ -37,11 +39,18 @@ class Device:
     p2p_latency_s: float
     mfu: float = 0.5
     dtype_bytes: int = 2
+    nvlink_bandwidth: float = 0.0
+    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "memory_bytes", "memory_bandwidth", "p2p_bandwidth"):
             if not getattr(self, name) > 0:
                 raise DeviceError(f"device {self.name!r}: {name} must be positive")
+        if self.nvlink_bandwidth < 0 or self.gpus_per_node < 1:
+            raise DeviceError(
+                f"device {self.name!r}: nvlink_bandwidth must be non-negative and "
+                "gpus_per_node at least 1"
+            )
         if self.p2p_latency_s < 0:
             raise DeviceError(f"device {self.name!r}: p2p_latency_s must be non-negative")
         if not 0 < self.mfu <= 1:
@@ -54,6 +63,12 @@ class Device:
                 "or 4 (fp32)"
             )
 
+    def bandwidth(self, group: int) -> float:
+        """Per-GPU bandwidth of a collective among ``group`` GPUs packed into nodes."""
+        if self.nvlink_bandwidth and group <= self.gpus_per_node:
+            return self.nvlink_bandwidth
+        return self.p2p_bandwidth
+
     @property
     def matmul_flops(self) -> float:
         """FLOP/s a training matmul actually reaches."""
@@ -63,7 +78,7 @@ class Device:
 DEVICES: dict[str, Device] = {
     # H100 SXM datasheet: 989 TFLOP/s dense bf16, 80 GiB HBM3 at 3.35 TB/s. Pipeline neighbours
     # are assumed to sit on different nodes, so p2p is one 200 Gb/s InfiniBand NDR port per GPU
-    # (25 GB/s), not NVLink (~450 GB/s one way); 45% MFU is what well-tuned LLM training reports.
+    # (25 GB/s); collectives within a node of 8 use NVLink (~450 GB/s one way); 45% MFU is what well-tuned LLM training reports.
     "h100": Device(
         name="h100",
         peak_flops=989e12,
@@ -73,6 +88,8 @@ DEVICES: dict[str, Device] = {
         p2p_latency_s=10e-6,
         mfu=0.45,
         dtype_bytes=2,
+        nvlink_bandwidth=450e9,  # NVLink 4: 900 GB/s both ways per GPU
+        gpus_per_node=8,
     ),
     # One core of this development machine in fp32: a rough order of magnitude (AVX2 FMA at a
     # few GHz, as reached by PyTorch's small matmuls) for the CPU tests; p2p is gloo over
@@ -93,7 +110,8 @@ DEVICES: dict[str, Device] = {
 def load_device(name_or_path: str | Path) -> Device:
     """A built-in device by name (``h100``, ``cpu``) or one described by a JSON file.
 
-    The JSON object holds ``Device``'s fields; ``mfu`` and ``dtype_bytes`` may be left out.
+    The JSON object holds ``Device``'s fields; ``mfu``, ``dtype_bytes``, ``nvlink_bandwidth``
+    and ``gpus_per_node`` may be left out.
     """
     if isinstance(name_or_path, str) and name_or_path in DEVICES:
         return DEVICES[name_or_path]

@@ -11,8 +11,8 @@ consuming stage.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class Kind(str, Enum):
@@ -38,8 +38,9 @@ _COMPUTE = frozenset({Kind.F, Kind.I, Kind.W, Kind.B})
 _PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d+)$")
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
+class Action(NamedTuple):
+    # A NamedTuple rather than a dataclass: the planner hashes millions of actions, and a
+    # tuple's hash and equality run in C.
     stage: int
     kind: Kind
     mb: int

@@ -24,24 +24,28 @@ Message = tuple[Kind, int, int]
 def lower(layout: Layout, compute: Mapping[int, Sequence[Action]]) -> Schedule:
     """Per-rank lists of ``compute`` with SEND_F/RECV_F and SEND_B/RECV_B added."""
     last = layout.num_stages - 1
-
-    def remote(stage: int, other: int) -> bool:
-        return layout.stage_rank(stage) != layout.stage_rank(other)
-
+    rank_of = [layout.stage_rank(stage) for stage in range(layout.num_stages)]
+    backward = (Kind.B, Kind.I)
     lowered: Schedule = {}
     for rank, actions in compute.items():
         out: list[Action] = []
+        append = out.append
         for action in actions:
-            stage, kind, mb = action.stage, action.kind, action.mb
-            if kind is Kind.F and stage > 0 and remote(stage - 1, stage):
-                out.append(Action(stage, Kind.RECV_F, mb))
-            if kind in (Kind.B, Kind.I) and stage < last and remote(stage + 1, stage):
-                out.append(Action(stage, Kind.RECV_B, mb))
-            out.append(action)
-            if kind is Kind.F and stage < last and remote(stage, stage + 1):
-                out.append(Action(stage, Kind.SEND_F, mb))
-            if kind in (Kind.B, Kind.I) and stage > 0 and remote(stage, stage - 1):
-                out.append(Action(stage, Kind.SEND_B, mb))
+            stage, kind, mb = action
+            if kind is Kind.F:
+                if stage > 0 and rank_of[stage - 1] != rank_of[stage]:
+                    append(Action(stage, Kind.RECV_F, mb))
+                append(action)
+                if stage < last and rank_of[stage + 1] != rank_of[stage]:
+                    append(Action(stage, Kind.SEND_F, mb))
+            elif kind in backward:
+                if stage < last and rank_of[stage + 1] != rank_of[stage]:
+                    append(Action(stage, Kind.RECV_B, mb))
+                append(action)
+                if stage > 0 and rank_of[stage - 1] != rank_of[stage]:
+                    append(Action(stage, Kind.SEND_B, mb))
+            else:
+                append(action)
         lowered[rank] = out
     return lowered
 

@@ -209,9 +209,10 @@ def _check_stage(layout: Layout, stage: int, seen: Mapping[Action, int]) -> None
     # follow micro-batch order; the latter is what makes gradients bitwise reproducible.
     for kinds in ((Kind.B, Kind.I), (Kind.B, Kind.W)):
         ordered = sorted(
-            (position, action.mb)
-            for action, position in seen.items()
-            if action.stage == stage and action.kind in kinds
+            (seen[action], mb)
+            for mb in range(layout.num_micro_batches)
+            for kind in kinds
+            if (action := Action(stage, kind, mb)) in seen
         )
         mbs = [mb for _, mb in ordered]
         if mbs != sorted(mbs):

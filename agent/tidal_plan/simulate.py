@@ -11,13 +11,15 @@ rank x step grid with the action each rank is stuck on.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from tidal_plan.ir import Action, Kind
-from tidal_plan.layout import Layout
+from tidal_plan.layout import Layout, ScheduleKind
 from tidal_plan.lowering import Message, lower, message
 from tidal_plan.schedules import compute_actions, validate_compute
 
@@ -140,6 +142,38 @@ def plan_step(layout: Layout) -> dict[int, list[Action]]:
     return lowered
 
 
+def _needs(layout: Layout, action: Action) -> list[tuple[Action, ...]]:
+    """What ``action`` waits for: each entry is satisfied by any one of its actions.
+
+    Built from plain tuples, which equal and hash like the ``Action`` of the same fields: the
+    planner asks this for every action of thousands of candidate steps.
+    """
+    stage, kind, mb = action
+    colocated = layout.stage_rank
+    if kind is Kind.F:
+        if stage == 0:
+            return []
+        if colocated(stage - 1) == colocated(stage):
+            return [((stage - 1, Kind.F, mb),)]
+        return [((stage, Kind.RECV_F, mb),)]
+    if kind is Kind.B or kind is Kind.I:
+        forward = ((stage, Kind.F, mb),)
+        if stage == layout.num_stages - 1:
+            return [forward]
+        if colocated(stage + 1) == colocated(stage):
+            return [forward, ((stage + 1, Kind.B, mb), (stage + 1, Kind.I, mb))]
+        return [forward, ((stage, Kind.RECV_B, mb),)]
+    if kind is Kind.W:
+        return [((stage, Kind.I, mb),)]
+    if kind is Kind.SEND_F:
+        return [((stage, Kind.F, mb),)]
+    if kind is Kind.SEND_B:
+        return [((stage, Kind.B, mb), (stage, Kind.I, mb))]
+    if kind is Kind.RECV_F:
+        return [((stage - 1, Kind.SEND_F, mb),)]
+    return [((stage + 1, Kind.SEND_B, mb),)]  # RECV_B
+
+
 class _Replay:
     """The state of one dry run: where each rank is and when each result became available."""
 
@@ -186,31 +220,7 @@ class _Replay:
         )
 
     def _needs(self, action: Action) -> list[tuple[Action, ...]]:
-        """What ``action`` waits for: each entry is satisfied by any one of its actions."""
-        stage, kind, mb = action.stage, action.kind, action.mb
-        colocated = self.layout.stage_rank
-        if kind is Kind.F:
-            if stage == 0:
-                return []
-            if colocated(stage - 1) == colocated(stage):
-                return [(Action(stage - 1, Kind.F, mb),)]
-            return [(Action(stage, Kind.RECV_F, mb),)]
-        if kind in (Kind.B, Kind.I):
-            forward = (Action(stage, Kind.F, mb),)
-            if stage == self.layout.num_stages - 1:
-                return [forward]
-            if colocated(stage + 1) == colocated(stage):
-                return [forward, (Action(stage + 1, Kind.B, mb), Action(stage + 1, Kind.I, mb))]
-            return [forward, (Action(stage, Kind.RECV_B, mb),)]
-        if kind is Kind.W:
-            return [(Action(stage, Kind.I, mb),)]
-        if kind is Kind.SEND_F:
-            return [(Action(stage, Kind.F, mb),)]
-        if kind is Kind.SEND_B:
-            return [(Action(stage, Kind.B, mb), Action(stage, Kind.I, mb))]
-        if kind is Kind.RECV_F:
-            return [(Action(stage - 1, Kind.SEND_F, mb),)]
-        return [(Action(stage + 1, Kind.SEND_B, mb),)]  # RECV_B
+        return _needs(self.layout, action)
 
     def _ready_time(self, action: Action) -> float | None:
         ready = 0.0
@@ -270,7 +280,9 @@ class _Replay:
         waits = []
         for alternatives in self._needs(action):
             if not any(a in self.available for a in alternatives):
-                waits.append(" or ".join(f"{a} {self._where(a)}" for a in alternatives))
+                waits.append(
+                    " or ".join(f"{Action(*a)} {self._where(a)}" for a in alternatives)
+                )
         return f"* rank {rank} is stuck on {action}, waiting for " + " and ".join(waits)
 
     def _where(self, action: Action) -> str:
@@ -331,3 +343,201 @@ def _check_action(layout: Layout, rank: int, action: Action) -> None:
             f"{action} talks to stage {peer} on its own rank {rank}: drop it, the runtime "
             f"hands tensors between stages of one rank over locally"
         )
+
+
+# --- the fast path for planning -------------------------------------------------------------------
+#
+# The search prices thousands of candidate layouts, some with hundreds of micro-batches on dozens
+# of ranks. ``estimate_step`` gives ``simulate``'s makespan, bubble and peak memory without a
+# timeline: the action lists of a (schedule, pp, v, m) are compiled once into integer
+# dependencies, and a long step is simulated at three shorter micro-batch counts and extended
+# along the straight line they lie on. A pipeline in steady state adds the same time and memory
+# per period of micro-batches, so after the warm-up the makespan is affine in the count; the
+# three points check it, and where they disagree the whole step is simulated.
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepEstimate:
+    """``simulate``'s figures without the timeline; ``simulated`` micro-batches were run."""
+
+    makespan: float
+    bubble_fraction: float
+    peak_memory: tuple[float, ...]
+    simulated: tuple[int, ...]
+
+
+_F, _I, _W, _B, _SEND, _RECV = range(6)
+_CODE = {Kind.F: _F, Kind.I: _I, Kind.W: _W, Kind.B: _B, Kind.SEND_F: _SEND,
+         Kind.SEND_B: _SEND, Kind.RECV_F: _RECV, Kind.RECV_B: _RECV}
+
+
+@dataclass(frozen=True, slots=True)
+class _Program:
+    """Per rank: (code, stage, ids of the actions it waits for, own id) of every action."""
+
+    ranks: tuple[tuple[tuple[int, int, tuple[int, ...], int], ...], ...]
+    size: int
+
+
+@functools.lru_cache(maxsize=512)
+def _program(layout: Layout) -> _Program:
+    # plan_step without its checks: the runtime only runs lists plan_step passed, the schedule
+    # generators are tested against validate_compute, and _replay finds a deadlock itself.
+    lowered = lower(layout, compute_actions(layout))
+    ids = {action: i for i, action in enumerate(a for r in sorted(lowered) for a in lowered[r])}
+    get = ids.get
+    ranks = []
+    for rank in sorted(lowered):
+        row = []
+        for action in lowered[rank]:
+            deps = []
+            for alternatives in _needs(layout, action):
+                for alternative in alternatives:
+                    found = get(alternative)
+                    if found is not None:
+                        deps.append(found)
+                        break
+                else:
+                    raise DeadlockError(f"{action} waits for {alternatives[0]}, which no rank runs")
+            row.append((_CODE[action.kind], action.stage, tuple(deps), ids[action]))
+        ranks.append(tuple(row))
+    return _Program(ranks=tuple(ranks), size=len(ids))
+
+
+def _per_stage(value: PerStage, stages: int) -> list[float]:
+    return list(value) if isinstance(value, tuple) else [float(value)] * stages
+
+
+def _replay(layout: Layout, costs: Costs) -> tuple[float, float, tuple[float, ...]]:
+    """Makespan, busy rank-seconds and per-rank peak memory of one step."""
+    program = _program(_structural(layout))
+    stages = layout.num_stages
+    f = _per_stage(costs.forward, stages)
+    i = _per_stage(costs.input_grad, stages)
+    w = _per_stage(costs.weight_grad, stages)
+    act = _per_stage(costs.activation_bytes, stages)
+    duration = (f, i, w, [a + b for a, b in zip(i, w, strict=True)])
+    comm = costs.comm
+    available = [-1.0] * program.size
+    pcs = [0] * layout.pp
+    clock = [0.0] * layout.pp
+    memory = [0.0] * layout.pp
+    peak = [0.0] * layout.pp
+    busy = 0.0
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(program.ranks):
+            pc, now, n = pcs[rank], clock[rank], len(actions)
+            while pc < n:
+                code, stage, deps, me = actions[pc]
+                ready = 0.0
+                for dep in deps:
+                    at = available[dep]
+                    if at < 0.0:
+                        break
+                    if at > ready:
+                        ready = at
+                else:
+                    start = now if now > ready else ready
+                    if code == _RECV:
+                        available[me] = start
+                    elif code == _SEND:
+                        available[me] = start + comm
+                    else:
+                        took = duration[code][stage]
+                        start += took
+                        busy += took
+                        available[me] = start
+                        if code == _F:
+                            memory[rank] += act[stage]
+                            if memory[rank] > peak[rank]:
+                                peak[rank] = memory[rank]
+                        elif code != _I:
+                            memory[rank] -= act[stage]
+                    now = start
+                    pc += 1
+                    progress = True
+                    continue
+                break
+            pcs[rank], clock[rank] = pc, now
+    if any(pc < len(actions) for pc, actions in zip(pcs, program.ranks, strict=True)):
+        raise DeadlockError(f"{layout.describe()} deadlocks: plan_step should have refused it")
+    return max(clock), busy, tuple(peak)
+
+
+def _structural(layout: Layout) -> Layout:
+    """The layout with what the action lists do not depend on (partition, dp, mbs) fixed."""
+    return dataclasses.replace(
+        layout, partition=(1,) * layout.num_stages, dp=1, micro_batch_size=1
+    )
+
+
+def estimate_step(layout: Layout, costs: Costs | None = None) -> StepEstimate:
+    """Makespan, bubble and per-rank peak memory of one step of ``layout``, fast.
+
+    The same figures as ``simulate(layout, plan_step(layout), costs)`` up to rounding: a step
+    with many more micro-batches than stages is simulated at three counts ``m0 < m0 + p <
+    m0 + 2 p`` that share its residue modulo ``p`` (one micro-batch period, ``pp``) and
+    extrapolated along the line through them when they lie on one.
+    """
+    costs = costs if costs is not None else Costs()
+    costs.check(layout.num_stages)
+    m, period = layout.num_micro_batches, layout.pp
+    warmup = 2 * layout.num_stages + period
+    start = warmup + (m - warmup) % period
+    if 3 * (start + period) >= m:  # three short steps would cost more than the whole one
+        return _exact(layout, costs)
+    points = [
+        _replay(dataclasses.replace(layout, num_micro_batches=start + k * period), costs)
+        for k in range(3)
+    ]
+    (t0, b0, p0), (t1, b1, p1), (t2, _, p2) = points
+    if not (_affine(t0, t1, t2) and all(map(_affine, p0, p1, p2))):
+        return _exact(layout, costs)
+    periods = (m - start) // period
+    makespan = t0 + periods * (t1 - t0)
+    busy = b0 + periods * (b1 - b0)
+    return StepEstimate(
+        makespan=makespan,
+        bubble_fraction=1.0 - busy / (layout.pp * makespan) if makespan else 0.0,
+        peak_memory=tuple(a + periods * (b - a) for a, b in zip(p0, p1, strict=True)),
+        simulated=tuple(start + k * period for k in range(3)),
+    )
+
+
+def _affine(a: float, b: float, c: float) -> bool:
+    return abs((c - b) - (b - a)) <= 1e-9 * max(abs(a), abs(b), abs(c), 1e-30)
+
+
+def _exact(layout: Layout, costs: Costs) -> StepEstimate:
+    makespan, busy, peak = _replay(layout, costs)
+    return StepEstimate(
+        makespan=makespan,
+        bubble_fraction=1.0 - busy / (layout.pp * makespan) if makespan else 0.0,
+        peak_memory=peak,
+        simulated=(layout.num_micro_batches,),
+    )
+
+
+def makespan_lower_bound(layout: Layout, costs: Costs) -> float:
+    """A bound no step of ``layout`` under ``costs`` beats, in microseconds of Python.
+
+    Pipeline rank ``r`` cannot start before micro-batch 0 has crossed the ``r`` stages before
+    it, then computes ``m`` micro-batches on each of its stages; with a fused backward, its last
+    backward (stage ``r``, last micro-batch) still has to cross those stages back. The search
+    prices candidates in the order of this bound and stops once it exceeds the best step found.
+    """
+    stages = layout.num_stages
+    f = _per_stage(costs.forward, stages)
+    i = _per_stage(costs.input_grad, stages)
+    w = _per_stage(costs.weight_grad, stages)
+    split = layout.schedule is ScheduleKind.ZERO_BUBBLE
+    m, comm = layout.num_micro_batches, costs.comm
+    bound = head = tail = 0.0
+    for rank in range(layout.pp):
+        busy = m * sum(f[s] + i[s] + w[s] for s in layout.rank_stages(rank))
+        bound = max(bound, head + busy + (0.0 if split else tail))
+        head += f[rank] + comm
+        tail += i[rank] + w[rank] + comm
+    return bound

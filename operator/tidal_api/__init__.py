@@ -1,9 +1,10 @@
-"""The contract between Tidal's operator and its agents: ElasticTrainingJob types.
+"""The contract between Tidal's operator and its agents: ElasticTrainingJob and scale tables.
 
 Stdlib and pydantic only, so both sides (and the chart's schema tests) can import it
 without pulling in torch or kopf.
 """
 
+from tidal_api.scale import DroppedRow, ScaleRow, ScaleTable
 from tidal_api.spec import (
     API_VERSION,
     GROUP,
@@ -29,11 +30,14 @@ __all__ = [
     "VERSION",
     "CheckpointSpec",
     "DataSpec",
+    "DroppedRow",
     "ElasticTrainingJob",
     "JobSpec",
     "JobSpecError",
     "ModelSpec",
     "ParallelismSpec",
+    "ScaleRow",
+    "ScaleTable",
     "ScalingSpec",
     "TrainingSpec",
     "WorkersSpec",

@@ -16,7 +16,7 @@ from tidal_plan.costmodel import (
     unit_active_params,
     unit_flops,
     unit_params,
-    unit_state_bytes,
+    unit_costs,
 )
 from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, load_device
 from tidal_plan.layout import build_layout
@@ -141,8 +141,8 @@ def test_activation_bytes():
 
 
 def test_state_is_sixteen_bytes_per_parameter():
-    assert unit_state_bytes(SMALL, 1, 2) == 16 * unit_params(SMALL, 1)
-    assert unit_state_bytes(SMALL, 1, 4) == 16 * unit_params(SMALL, 1)
+    for device in (H100, DEVICES["cpu"]):
+        assert unit_costs(SMALL, 1, 1, device).state_bytes == 16 * unit_params(SMALL, 1)
 
 
 def test_model_costs_sum_the_stage_units():

@@ -204,22 +204,20 @@ def test_zero_bubble_is_no_slower_than_one_f_one_b(pp: int, m: int) -> None:
     assert max(zb_run.peak_memory) <= max(base_run.peak_memory)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     pp=st.integers(1, 4),
     m=st.integers(1, 8),
-    times=st.lists(st.floats(0.25, 4.0), min_size=12, max_size=12),
+    times=st.lists(st.floats(0.25, 4.0), min_size=3, max_size=3),
     comm=st.floats(0.0, 1.0),
 )
 def test_zero_bubble_is_no_slower_than_one_f_one_b_on_random_costs(
     pp: int, m: int, times: list[float], comm: float
 ) -> None:
-    costs = Costs(
-        forward=tuple(times[:pp]),
-        input_grad=tuple(times[4 : 4 + pp]),
-        weight_grad=tuple(times[8 : 8 + pp]),
-        comm=comm,
-    )
+    # Balanced stages (any F, I, W and message costs). With unbalanced stages ZB-H1's order,
+    # chosen for unit times, can lose to 1F1B (hypothesis found a step of 10.0 against 9.75).
+    f, i, w = times
+    costs = Costs(forward=f, input_grad=i, weight_grad=w, comm=comm)
     zb, base = layout(pp, m, ScheduleKind.ZERO_BUBBLE), layout(pp, m, ScheduleKind.ONE_F_ONE_B)
     assert simulate(zb, plan_step(zb), costs).makespan <= (
         simulate(base, plan_step(base), costs).makespan + 1e-9

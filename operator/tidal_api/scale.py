@@ -1,0 +1,91 @@
+"""Scale tables: what a job expects of each worker count it could get (DESIGN.md sections 2-3).
+
+The agent's planner writes the table (``status.scaleTable``); the operator reads it to decide
+whether a scale-up pays off and which job loses least on a scale-down. Every worker count in
+``[minWorkers, maxWorkers]`` is either a row (the best layout found for it) or a dropped entry
+that says why it is not worth running. Field names on the wire are camelCase.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+DropReason = Literal["hyperparameters", "memory", "disagreement", "gain"]
+PredictorName = Literal["profiled", "modeled"]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class ScaleRow(_Wire):
+    """The best layout for one worker count and what it is predicted to do."""
+
+    workers: int = Field(ge=1, description="Worker pods.")
+    gpus: int = Field(ge=1, description="GPUs (ranks) of all workers together.")
+    dp: int = Field(ge=1, description="Data-parallel pipeline replicas.")
+    pp: int = Field(ge=1, description="Pipeline ranks per replica.")
+    partition: tuple[int, ...] = Field(description="Placement units per stage, in stage order.")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"]
+    virtual_stages: int = Field(1, ge=1, description="Model chunks per rank (interleaved).")
+    micro_batch_size: int = Field(ge=1)
+    num_micro_batches: int = Field(ge=1, description="Micro-batches per replica and step.")
+    step_seconds: float = Field(gt=0, description="Predicted seconds per optimizer step.")
+    tokens_per_second: float = Field(gt=0)
+    peak_memory_bytes: float = Field(ge=0, description="Predicted peak of the fullest GPU.")
+    speedup: float = Field(gt=0, description="Throughput over the table's smallest row.")
+    predictor: PredictorName = Field(description="The predictor whose figures these are.")
+    other_step_seconds: float | None = Field(
+        None, description="The other predictor's step seconds for this layout, where it ran."
+    )
+
+
+class DroppedRow(_Wire):
+    """A worker count the job should not run at, and why."""
+
+    workers: int = Field(ge=1)
+    reason: DropReason
+    detail: str = Field(description="One line: the numbers behind the reason.")
+
+
+class ScaleTable(_Wire):
+    """A job's scale table: one row or one dropped entry per worker count in the range."""
+
+    job: str
+    device: str = Field(description="The device description the modeled figures use.")
+    source: PredictorName = Field(description="Which predictor chose the rows.")
+    min_workers: int = Field(ge=1)
+    max_workers: int = Field(ge=1)
+    gpus_per_worker: int = Field(1, ge=1)
+    global_batch_size: int = Field(ge=1, description="Samples per step, fixed for every row.")
+    seq_len: int = Field(ge=1)
+    min_gain: float = Field(ge=0, description="Least gain over the next smaller row kept.")
+    rows: tuple[ScaleRow, ...] = ()
+    dropped: tuple[DroppedRow, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_entry_per_count(self) -> ScaleTable:
+        counts = [r.workers for r in self.rows] + [d.workers for d in self.dropped]
+        expected = list(range(self.min_workers, self.max_workers + 1))
+        if sorted(counts) != expected:
+            raise ValueError(
+                f"a scale table needs one row or dropped entry per worker count "
+                f"{self.min_workers}..{self.max_workers}; it has {sorted(counts)}"
+            )
+        if [r.workers for r in self.rows] != sorted(r.workers for r in self.rows):
+            raise ValueError("scale table rows must be in increasing worker order")
+        return self
+
+    def row(self, workers: int) -> ScaleRow | None:
+        """The row for exactly ``workers``, or None where that count was dropped."""
+        return next((r for r in self.rows if r.workers == workers), None)
+
+    def best_within(self, workers: int) -> ScaleRow | None:
+        """The largest row with at most ``workers`` workers: where the job should run."""
+        fitting = [r for r in self.rows if r.workers <= workers]
+        return fitting[-1] if fitting else None
