@@ -73,22 +73,31 @@ def main() -> None:
 @click.option("--reshard-bucket-mib", "bucket_mib", type=click.IntRange(min=1), default=256, show_default=True, help="Memory cap per worker for state in flight during a live switch.")
 @click.option("--profile", "profile_out", type=click.Path(dir_okay=False), help="Profile steps 1-3 online and write per-unit costs (JSON) here.")
 @click.option("--resume", help="Resume from a checkpoint directory, or 'latest' under spec.checkpoint.path.")
+@click.option("--plan-profile", "plan_profile", type=click.Path(dir_okay=False), help="Plan layouts from this online profile (default: the modeling-based predictor).")
+@click.option("--plan-device", default="cpu", show_default=True, help="Device description for the modeling-based predictor: h100, cpu or a JSON file.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent worker is an error.")
 def run(job_file, workers, steps, report, schedule, partition, workers_schedule, bucket_mib,
-        profile_out, resume, timeout_s) -> None:
+        profile_out, resume, plan_profile, plan_device, timeout_s) -> None:
     """Train JOB_FILE with N local worker processes and report per-step losses.
 
-    With --workers-schedule the worker count changes between steps without a restart; in
-    strict mode the losses stay bitwise those of a fixed worker count.
+    The planner picks each worker count's layout (schedule where the spec says auto, and the
+    partition) unless --schedule or --partition forces it; the report gives its predicted
+    step time next to the measured one. With --workers-schedule the worker count changes
+    between steps without a restart; in strict mode the losses stay bitwise those of a fixed
+    worker count.
     """
     from tidal_agent.runner import (
         RunError,
         elastic_plan,
+        layout_report,
         loss_divergence,
         resolve_layout,
         run_elastic,
         run_local,
     )
+    from tidal_plan.devices import DeviceError, load_device
+    from tidal_plan.planner import LayoutPlanner
+    from tidal_plan.profiled import ProfileError, load_profile
 
     if workers_schedule and (workers or partition):
         raise click.ClickException("--workers-schedule replaces --workers and --partition")
@@ -96,30 +105,44 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
         job = load_job(job_file)
         workers = workers or job.spec.workers.min
         steps = steps or job.spec.training.steps
+        planner = LayoutPlanner(
+            job, load_device(plan_device),
+            load_profile(plan_profile) if plan_profile else None,
+        )
+        forced = schedule is not None or partition is not None
+        choose = None if forced else (lambda n, dp: planner.layout(n, dp)[0])
         if workers_schedule:
             entries = parse_worker_schedule(
                 workers_schedule, steps=steps, max_workers=job.spec.model.num_units
             )
-            gens, layouts = elastic_plan(job, entries, kind=schedule)
-        else:
+            gens, layouts = elastic_plan(job, entries, kind=schedule, choose=choose)
+        elif forced:
             layout = resolve_layout(
                 job, workers=workers, schedule=schedule, partition=_parse_partition(partition)
             )
             gens, layouts = elastic_plan(job, [(0, workers)], kind=schedule)
             layouts = [layout]
+        else:
+            gens, layouts = elastic_plan(job, [(0, workers)], choose=choose)
+        predicted = [planner.predict(lay).step_seconds for lay in layouts]
         resume_from = _resume_dir(job, resume) if resume else None
         if steps > job.spec.training.steps:
             raise JobSpecError(
                 f"--steps {steps} exceeds spec.training.steps ({job.spec.training.steps}), "
                 "which sets the LR schedule: raise it in the manifest"
             )
-    except (JobSpecError, LayoutError, ScheduleError, ValueError) as err:
+    except (JobSpecError, LayoutError, ScheduleError, DeviceError, ProfileError,
+            ValueError) as err:
         raise click.ClickException(str(err)) from None
 
     tokens_per_step = job.spec.training.global_batch_size * job.spec.model.seq_len
     _console.print(f"[bold]{job.metadata.name}[/]: {steps} steps")
-    for gen, lay in zip(gens, layouts, strict=True):
-        _console.print(f"  from step {gen.at_step:5d}: {len(gen.members)} workers, {lay.describe()}")
+    how = "forced" if forced else f"planned ({planner.predictor.name})"
+    for gen, lay, pred in zip(gens, layouts, predicted, strict=True):
+        _console.print(
+            f"  from step {gen.at_step:5d}: {len(gen.members)} workers, {lay.describe()} "
+            f"({how}, predicted {pred * 1e3:.1f} ms/step)"
+        )
     columns = (
         TextColumn("[progress.description]{task.description}"), BarColumn(),
         MofNCompleteColumn(), TimeRemainingColumn(),
@@ -151,6 +174,8 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
         except RunError as err:
             first = str(err).splitlines()[0]
             raise click.ClickException(first) from None
+    result["layouts"] = layout_report(gens, layouts, result["steps"], predicted,
+                                      planner.predictor.name)
     if result.get("profile"):
         _console.print(f"profile: {result['profile']}")
     if report:
@@ -168,6 +193,12 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             f"switch at step {change['at_step']}: {old} -> {new} workers, pause "
             f"{change['pause_s'] * 1e3:.0f} ms, {change['bytes_moved'] / 2**20:.1f} MiB moved"
         )
+    for entry in result["layouts"]:
+        if entry["measured_step_s"] is not None:
+            _console.print(
+                f"from step {entry['at_step']}: predicted {entry['predicted_step_s'] * 1e3:.1f} ms,"
+                f" measured {entry['measured_step_s'] * 1e3:.1f} ms ({entry['error']:+.0%})"
+            )
     times = sorted(e["seconds"] for e in result["steps"])
     median = times[len(times) // 2]
     _console.print(
@@ -176,6 +207,82 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     )
     if report:
         _console.print(f"report: {report}")
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False), required=False)
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), help="An online profile (tidal run --profile): the profiling-based predictor chooses, the modeling-based one checks.")
+@click.option("--device", default="h100", show_default=True, help="h100, cpu, or a JSON file of Device fields: peaks for the modeling-based predictor and the memory cap.")
+@click.option("--flextrain", type=click.Choice(["small", "medium", "large"]), help="Plan a FlexTrain configuration of the slides instead of JOB_FILE.")
+@click.option("--elastic", type=click.Choice(["pp", "dp-pp"]), default="pp", show_default=True, help="With --flextrain: scale PP only (DP fixed) or DP and PP.")
+@click.option("--max-disagreement", type=click.FloatRange(min=0), default=0.25, show_default=True, help="Drop rows whose speedup the two predictors put further apart (a ratio).")
+@click.option("--json", "as_json", is_flag=True, help="Print the scale table as JSON.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON scale table here.")
+def plan(job_file, profile_path, device, flextrain, elastic, max_disagreement, as_json, out) -> None:
+    """Print the scale table of JOB_FILE: the best layout for every worker count.
+
+    Each row gives the layout (dp, pp, partition, schedule, micro-batching), its predicted step
+    seconds, tokens/s and peak memory, and its speedup over the smallest row; worker counts not
+    worth running are listed with the reason they were dropped.
+    """
+    from tidal_plan.devices import DeviceError, load_device
+    from tidal_plan.planner import plan_flextrain, plan_job
+    from tidal_plan.profiled import ProfileError, load_profile
+
+    if (job_file is None) == (flextrain is None):
+        raise click.ClickException("give either JOB_FILE or --flextrain NAME")
+    try:
+        dev = load_device(device)
+        columns = (TextColumn("planning"), BarColumn(), MofNCompleteColumn())
+        with Progress(*columns, console=_console, transient=True) as progress:
+            if flextrain:
+                total = None
+                task = progress.add_task("plan", total=total)
+                table, _ = plan_flextrain(flextrain, dev, elastic=elastic,
+                                          on_row=lambda w: progress.advance(task))
+            else:
+                job = load_job(job_file)
+                profile = load_profile(profile_path) if profile_path else None
+                rows = job.spec.workers.max - job.spec.workers.min + 1
+                task = progress.add_task("plan", total=rows)
+                table, _ = plan_job(job, dev, profile=profile, max_disagreement=max_disagreement,
+                                    on_row=lambda w: progress.advance(task))
+    except (JobSpecError, DeviceError, ProfileError, LayoutError, ValueError) as err:
+        raise click.ClickException(str(err)) from None
+    text = table.model_dump_json(by_alias=True, indent=2)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    if as_json:
+        click.echo(text)
+        return
+    _print_table(table)
+
+
+def _print_table(table) -> None:
+    from rich.table import Table
+
+    view = Table(title=f"{table.job}: scale table ({table.source} predictor, {table.device})")
+    for name in ("workers", "GPUs", "dp", "pp", "partition", "schedule", "micro-batches",
+                 "step s", "tokens/s", "peak GiB", "speedup"):
+        view.add_column(name, justify="left" if name in ("partition", "schedule") else "right")
+    for row in table.rows:
+        schedule = row.schedule + (f" v{row.virtual_stages}" if row.virtual_stages > 1 else "")
+        view.add_row(
+            str(row.workers), str(row.gpus), str(row.dp), str(row.pp),
+            ",".join(map(str, row.partition)), schedule,
+            f"{row.micro_batch_size}x{row.num_micro_batches}", f"{row.step_seconds:.4g}",
+            f"{row.tokens_per_second:,.0f}", f"{row.peak_memory_bytes / 2**30:.2f}",
+            f"{row.speedup:.2f}x",
+        )
+    Console().print(view)
+    if table.dropped:
+        dropped = Table(title="dropped worker counts")
+        for name in ("workers", "reason", "why"):
+            dropped.add_column(name)
+        for entry in table.dropped:
+            dropped.add_row(str(entry.workers), entry.reason, entry.detail)
+        Console().print(dropped)
 
 
 @main.group()

@@ -42,10 +42,11 @@ def resolve_layout(
     schedule: str | None = None,
     partition: tuple[int, ...] | None = None,
 ) -> Layout:
-    """The layout for ``workers`` pipeline ranks; the CLI's flags override the spec."""
+    """The layout for ``workers`` pipeline ranks without the planner: the units split evenly
+    under the CLI's schedule, else the spec's (``auto`` is 1F1B here), or a forced partition."""
     spec = job.spec
     kind = schedule or spec.parallelism.schedule
-    if kind == "auto":  # the planner arrives later; 1F1B is the safe default meanwhile
+    if kind == "auto":
         kind = ScheduleKind.ONE_F_ONE_B.value
     return build_layout(
         num_units=spec.model.num_units,
@@ -233,14 +234,23 @@ def _stop(procs) -> None:
             proc.terminate()
 
 
+LayoutChooser = Callable[[int, int], Layout]
+
+
 def elastic_plan(
-    job: ElasticTrainingJob, schedule: list[tuple[int, int]], *, kind: str | None = None
+    job: ElasticTrainingJob,
+    schedule: list[tuple[int, int]],
+    *,
+    kind: str | None = None,
+    choose: LayoutChooser | None = None,
 ) -> tuple[list[Generation], list[Layout]]:
     """Generations and their layouts for a worker schedule like [(0, 2), (4, 3)].
 
     Strict consistency keeps dp = 1 and scales pp. With ``elastic: dp-pp`` and ``relaxed``
     consistency, a worker count that is a multiple k of the first one runs k data-parallel
     replicas of the first pipeline (when the micro-batches split evenly); other counts scale pp.
+    ``choose(workers, dp)`` (the planner) picks each layout where given; otherwise the units
+    are split evenly under the spec's schedule (or ``kind``).
     """
     gens = generations(schedule)
     par, base = job.spec.parallelism, len(gens[0].members)
@@ -250,7 +260,9 @@ def elastic_plan(
         n, dp = len(gen.members), 1
         if par.elastic == "dp-pp" and par.consistency == "relaxed" and n % base == 0:
             dp = n // base if micro_batches % (n // base) == 0 else 1
-        if dp == 1:
+        if choose is not None:
+            layouts.append(choose(n, dp))
+        elif dp == 1:
             layouts.append(resolve_layout(job, workers=n, schedule=kind))
         else:
             first = resolve_layout(job, workers=base, schedule=kind)
@@ -260,6 +272,35 @@ def elastic_plan(
                 schedule=first.schedule, virtual_stages=first.virtual_stages,
             ))
     return gens, layouts
+
+
+def layout_report(
+    gens: list[Generation], layouts: list[Layout], steps: list[dict[str, Any]],
+    predicted: list[float | None], predictor: str | None,
+) -> list[dict[str, Any]]:
+    """Per generation: its layout, the predicted and the measured (median) step seconds.
+
+    The first step of each generation is left out of the median: it pays for the switch's
+    cold caches, which the prediction of a steady step does not include.
+    """
+    out = []
+    for i, (gen, lay) in enumerate(zip(gens, layouts, strict=True)):
+        end = gens[i + 1].at_step if i + 1 < len(gens) else None
+        seconds = sorted(
+            s["seconds"] for s in steps
+            if s["step"] > gen.at_step and (end is None or s["step"] < end)
+        )
+        measured = seconds[len(seconds) // 2] if seconds else None
+        out.append({
+            "at_step": gen.at_step,
+            "workers": len(gen.members),
+            "layout": lay.to_dict(),
+            "predictor": predictor,
+            "predicted_step_s": predicted[i],
+            "measured_step_s": measured,
+            "error": (predicted[i] / measured - 1) if predicted[i] and measured else None,
+        })
+    return out
 
 
 def loss_divergence(run: dict[str, Any], static: dict[str, Any]) -> dict[str, Any]:

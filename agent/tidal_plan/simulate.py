@@ -384,24 +384,32 @@ def _program(layout: Layout) -> _Program:
     # plan_step without its checks: the runtime only runs lists plan_step passed, the schedule
     # generators are tested against validate_compute, and _replay finds a deadlock itself.
     lowered = lower(layout, compute_actions(layout))
-    ids = {action: i for i, action in enumerate(a for r in sorted(lowered) for a in lowered[r])}
-    get = ids.get
+    m = layout.num_micro_batches
+    # An action waits for actions of its own micro-batch, and which ones depends only on its
+    # (stage, kind): resolve that once per pair, and number actions pair by pair, m apart.
+    present = {(a.stage, a.kind) for actions in lowered.values() for a in actions}
+    base = {pair: i * m for i, pair in enumerate(sorted(present))}
+    pattern: dict[tuple[int, Kind], tuple[int, ...]] = {}
+    for stage, kind in present:
+        deps = []
+        for alternatives in _needs(layout, Action(stage, kind, 0)):
+            found = [a[:2] for a in alternatives if a[:2] in present]
+            if not found:
+                raise DeadlockError(
+                    f"{Action(*alternatives[0])} is on no rank's list, but {stage}{kind.value} "
+                    "actions wait for it"
+                )
+            deps.append(base[found[0]])
+        pattern[(stage, kind)] = tuple(deps)
     ranks = []
     for rank in sorted(lowered):
         row = []
-        for action in lowered[rank]:
-            deps = []
-            for alternatives in _needs(layout, action):
-                for alternative in alternatives:
-                    found = get(alternative)
-                    if found is not None:
-                        deps.append(found)
-                        break
-                else:
-                    raise DeadlockError(f"{action} waits for {alternatives[0]}, which no rank runs")
-            row.append((_CODE[action.kind], action.stage, tuple(deps), ids[action]))
+        for stage, kind, mb in lowered[rank]:
+            pair = (stage, kind)
+            deps = tuple(d + mb for d in pattern[pair])
+            row.append((_CODE[kind], stage, deps, base[pair] + mb))
         ranks.append(tuple(row))
-    return _Program(ranks=tuple(ranks), size=len(ids))
+    return _Program(ranks=tuple(ranks), size=len(base) * m)
 
 
 def _per_stage(value: PerStage, stages: int) -> list[float]:
@@ -524,8 +532,9 @@ def makespan_lower_bound(layout: Layout, costs: Costs) -> float:
     """A bound no step of ``layout`` under ``costs`` beats, in microseconds of Python.
 
     Pipeline rank ``r`` cannot start before micro-batch 0 has crossed the ``r`` stages before
-    it, then computes ``m`` micro-batches on each of its stages; with a fused backward, its last
-    backward (stage ``r``, last micro-batch) still has to cross those stages back. The search
+    it, then computes ``m`` micro-batches on each of its stages; its last backward (stage
+    ``r``, last micro-batch; with a split backward, its last I) still has to cross those stages
+    back. The search
     prices candidates in the order of this bound and stops once it exceeds the best step found.
     """
     stages = layout.num_stages
@@ -534,10 +543,21 @@ def makespan_lower_bound(layout: Layout, costs: Costs) -> float:
     w = _per_stage(costs.weight_grad, stages)
     split = layout.schedule is ScheduleKind.ZERO_BUBBLE
     m, comm = layout.num_micro_batches, costs.comm
-    bound = head = tail = 0.0
+    bound = head = tail = input_tail = 0.0
     for rank in range(layout.pp):
-        busy = m * sum(f[s] + i[s] + w[s] for s in layout.rank_stages(rank))
-        bound = max(bound, head + busy + (0.0 if split else tail))
+        stages = layout.rank_stages(rank)
+        busy = m * sum(f[s] + i[s] + w[s] for s in stages)
+        if split:  # W may trail the last I, but every F and I comes before it
+            critical = m * sum(f[s] + i[s] for s in stages) + input_tail
+            bound = max(bound, head + busy, head + critical)
+        else:
+            bound = max(bound, head + busy + tail)
         head += f[rank] + comm
         tail += i[rank] + w[rank] + comm
+        input_tail += i[rank] + comm
     return bound
+
+
+def clear_caches() -> None:
+    """Forget compiled action lists (for benchmarks that time a cold start)."""
+    _program.cache_clear()
