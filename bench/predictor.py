@@ -33,7 +33,7 @@ import yaml  # noqa: E402
 
 from tidal_agent.runner import run_local  # noqa: E402
 from tidal_api import ElasticTrainingJob, parse_job  # noqa: E402
-from tidal_plan.layout import Layout, build_layout  # noqa: E402
+from tidal_plan.layout import Layout, build_layout, even_partition  # noqa: E402
 from tidal_plan.profiled import Profile, predict_profiled  # noqa: E402
 
 # (workers, schedule, micro-batch size as a multiple of the job's, partition, virtual stages)
@@ -61,13 +61,11 @@ def _job(doc: dict, micro_batch_size: int) -> ElasticTrainingJob:
 
 
 def _uneven(num_units: int, stages: int) -> tuple[int, ...]:
-    """More units on the first stage than an even split gives: (units - k) then the rest."""
-    rest, extra = divmod(num_units - 1, stages)
-    parts = [rest + (1 if s < extra else 0) for s in range(stages)]
-    parts[0] += 1
-    parts[-1] -= 1
-    if parts[-1] < 1:
+    """An even split with one unit moved from the last stage to the first."""
+    parts = list(even_partition(num_units, stages))
+    if parts[-1] < 2:
         raise SystemExit(f"no uneven partition of {num_units} units into {stages} stages")
+    parts[0], parts[-1] = parts[0] + 1, parts[-1] - 1
     return tuple(parts)
 
 

@@ -225,12 +225,16 @@ def _measured(parts: list[dict], layout) -> dict:
     sizes = calibrations[0]["sizes"]
     # A stage action costs c + the sum of its units' costs, so n units alone cost n c more
     # than the stage: c = (sum of singles - stage) / (n - 1), at each size, over all stages.
+    # A stage holding the embedding has no input: its I is empty and its W the whole
+    # backward, unlike its units' alone, so it says nothing about the I and W overheads.
     overhead = {}
     for kind in CALIBRATED:
+        split = kind in ("input_grad", "weight_grad")
         estimates = [
             (sum(unit[kind][j] for unit in c["units"].values()) - c["stage"][kind][j])
             / (len(c["units"]) - 1)
-            for c in calibrations if c["stage"] is not None
+            for c in calibrations
+            if c["stage"] is not None and not (split and min(map(int, c["units"])) == 0)
             for j in range(len(sizes))
         ]
         overhead[kind] = max(0.0, statistics.median(estimates)) if estimates else 0.0

@@ -1,6 +1,7 @@
 """The benchmarks still run (on a toy model; their figures are for the closing notes)."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,19 @@ def test_bench_runs(script, args, keys):
     report = json.loads(result.stdout)
     assert keys <= report.keys()
     assert report["ratio"] > 0
+
+
+def test_predictor_bench_runs(tmp_path):
+    out = tmp_path / "predictor.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "predictor.py"), "--tiny", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert json.loads(out.read_text()) == report
+    for key in ("median_abs_error", "max_abs_error", "choice_gap"):
+        assert math.isfinite(report[key]) and report[key] >= 0
+    assert len(report["layouts"]) == 3
+    for row in report["layouts"]:
+        assert row["predicted_s"] > 0 and row["measured_s"] > 0

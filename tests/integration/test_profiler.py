@@ -5,6 +5,7 @@ import json
 import pytest
 
 from tests.integration.test_cli import TINY, tidal
+from tidal_plan.profiled import load_profile
 
 pytestmark = pytest.mark.slow
 
@@ -31,3 +32,14 @@ def test_profile_covers_every_unit_and_keeps_the_bits(tmp_path):
     assert data["p2p"]["bytes"] == 2 * 64 * 64 * 4 and data["p2p"]["seconds"] > 0
     assert set(data["ranks"]) == {"0", "1", "2"}
     assert all(r["relative_speed"] > 0 for r in data["ranks"].values())
+    # What predicts other layouts: calibrated units, action overheads, the plain steps.
+    calibration = data["calibration"]
+    assert calibration["sizes"] == [2, 4] and calibration["world_size"] == 3
+    assert sorted(map(int, calibration["units"])) == list(range(8))
+    for costs in calibration["units"].values():
+        assert set(costs) == {"forward", "backward", "input_grad", "weight_grad", "post"}
+    assert all(v >= 0 for v in calibration["action_overhead_s"].values())
+    assert {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"} <= data["actions_s"].keys()
+    assert data["collectives_s"] > 0
+    assert set(data["step_parts"]) == {"0", "1", "2"}
+    assert load_profile(profile).calibration is not None

@@ -1,7 +1,15 @@
 import pytest
 
 from tidal_plan.layout import build_layout
-from tidal_plan.profiled import Profile, ProfileError, predict_profiled, profiled_costs
+from tidal_plan.profiled import (
+    Affine,
+    Profile,
+    ProfileError,
+    predict_profiled,
+    profiled_costs,
+    rank_slowdown,
+)
+from tidal_plan.simulate import Costs, plan_step, simulate
 
 
 def _profile(cores=0):
@@ -45,3 +53,123 @@ def test_profile_errors():
     layout = build_layout(num_units=5, workers=1, micro_batch_size=2, num_micro_batches=4)
     with pytest.raises(ProfileError, match="4 units; the layout 5"):
         profiled_costs(_profile(), layout)
+
+
+# -- calibrated profiles ------------------------------------------------------------------------
+
+KINDS = ("forward", "backward", "input_grad", "weight_grad", "post")
+
+
+def _calibrated(*, cores=0, actions=None, step_parts=None, overhead=0.0, world_size=2,
+                collectives=0.0):
+    """Four units: F = 1 + 1/sample, B = 2 + 2/sample, I = W = 1 + 1/sample, post 0.5."""
+    unit = {
+        "forward": {"fixed_s": 1.0, "per_sample_s": 1.0},
+        "backward": {"fixed_s": 2.0, "per_sample_s": 2.0},
+        "input_grad": {"fixed_s": 1.0, "per_sample_s": 1.0},
+        "weight_grad": {"fixed_s": 1.0, "per_sample_s": 1.0},
+        "post": {"fixed_s": 0.5, "per_sample_s": 0.0},
+    }
+    data = {
+        "units": {str(u): {"forward_s": 1.0, "input_grad_s": 1.0, "weight_grad_s": 0.5,
+                           "activation_bytes": 100, "param_bytes": 40} for u in range(4)},
+        "micro_batch_size": 2, "p2p": {"bytes": 64, "seconds": 0.0},
+        "cores": cores, "threads": 1,
+        "layout": {"dp": 1, "pp": 2, "partition": [2, 2], "micro_batch_size": 2,
+                   "num_micro_batches": 4, "schedule": "1f1b", "virtual_stages": 1},
+        "calibration": {
+            "sizes": [2, 4], "world_size": world_size,
+            "action_overhead_s": {k: overhead for k in KINDS},
+            "units": {str(u): unit for u in range(4)},
+        },
+        "collectives_s": collectives,
+    }
+    if actions is not None:
+        data["actions_s"] = actions
+    if step_parts is not None:
+        data["step_parts"] = step_parts
+    return Profile.from_dict(data)
+
+
+def test_calibrated_units_are_affine_in_the_micro_batch_size():
+    profile = _calibrated(overhead=0.5)
+    for mbs, unit_f in ((2, 3.0), (4, 5.0)):
+        layout = build_layout(num_units=4, workers=2, micro_batch_size=mbs, num_micro_batches=4)
+        costs = profiled_costs(profile, layout)
+        assert costs.forward == pytest.approx((0.5 + 2 * unit_f,) * 2)  # overhead + 2 units
+        assert costs.input_grad == pytest.approx((0.5 + 4 * unit_f,) * 2)  # fused B: 2x F
+        assert costs.weight_grad == (0.0, 0.0)
+
+
+def test_split_schedules_use_i_and_w_and_the_first_stage_has_no_input_gradient():
+    layout = build_layout(num_units=4, workers=2, micro_batch_size=2, num_micro_batches=4,
+                          schedule="zb")
+    costs = profiled_costs(_calibrated(), layout)
+    assert costs.input_grad == pytest.approx((0.0, 6.0))
+    assert costs.weight_grad == pytest.approx((12.0, 6.0))  # stage 0's W is its whole backward
+
+
+def test_posting_sends_and_receives_counts_on_the_compute_beside_it():
+    actions = {"F": 6.0, "B": 12.0, "SEND_F": 0.25, "RECV_F": 0.5, "SEND_B": 1.0, "RECV_B": 2.0}
+    layout = build_layout(num_units=4, workers=2, micro_batch_size=2, num_micro_batches=4)
+    costs = profiled_costs(_calibrated(actions=actions), layout)
+    assert costs.forward == pytest.approx((6.25, 6.5))  # + SEND_F on stage 0, RECV_F on 1
+    assert costs.input_grad == pytest.approx((14.0, 13.0))  # + RECV_B on 0, SEND_B on 1
+
+
+def test_in_run_factor_scales_to_the_runs_own_actions():
+    profile = _calibrated(actions={"F": 9.0, "B": 18.0})  # 1.5x the calibrated 6 and 12
+    assert profile.calibration.in_run == pytest.approx(1.5)
+    layout = build_layout(num_units=4, workers=1, micro_batch_size=2, num_micro_batches=4)
+    assert profiled_costs(profile, layout).forward == pytest.approx((1.5 * 12.0,))
+
+
+def test_message_latency_comes_from_the_profiled_pipeline():
+    layout = build_layout(num_units=4, workers=2, micro_batch_size=2, num_micro_batches=4)
+    quiet = predict_profiled(_calibrated(), layout, 16).pipeline_seconds
+    assert _calibrated(step_parts={"0": {"pipeline_s": quiet}}).p2p_seconds == 0.0
+    slow = _calibrated(step_parts={"0": {"pipeline_s": quiet + 5.0}})
+    assert slow.p2p_seconds > 0.0
+    assert predict_profiled(slow, layout, 16).pipeline_seconds == pytest.approx(quiet + 5.0)
+
+
+def test_more_busy_ranks_than_cores_share_them():
+    layout = build_layout(num_units=4, workers=4, micro_batch_size=2, num_micro_batches=4,
+                          schedule="gpipe")
+    roomy, crowded = _calibrated(cores=8), _calibrated(cores=2)
+    assert profiled_costs(roomy, layout).forward == pytest.approx((3.0,) * 4)
+    slowed = profiled_costs(crowded, layout).forward
+    assert all(3.0 < f <= 6.0 for f in slowed)  # at most 4 ranks on 2 cores: half speed
+    assert (predict_profiled(crowded, layout, 16).step_seconds
+            > predict_profiled(roomy, layout, 16).step_seconds)
+
+
+def test_rank_slowdown_averages_the_oversubscription_over_each_ranks_compute():
+    layout = build_layout(num_units=4, workers=2, micro_batch_size=2, num_micro_batches=1,
+                          schedule="gpipe")
+    sim = simulate(layout, plan_step(layout), Costs(forward=1.0, input_grad=1.0,
+                                                    weight_grad=0.0))
+    # Only one rank computes at a time in a one-micro-batch pipeline.
+    assert rank_slowdown(sim, cores=1) == (1.0, 1.0)
+    assert rank_slowdown(sim, cores=1, replicas=2) == (2.0, 2.0)
+
+
+def test_post_pipeline_and_all_reduces():
+    profile = _calibrated(collectives=1.0, world_size=2)
+    one = build_layout(num_units=4, workers=1, micro_batch_size=2, num_micro_batches=4)
+    four = build_layout(num_units=4, workers=4, micro_batch_size=2, num_micro_batches=4)
+    p1, p4 = predict_profiled(profile, one, 16), predict_profiled(profile, four, 16)
+    assert p1.optimizer_seconds == pytest.approx(4 * 0.5)  # one rank updates every unit
+    assert p4.optimizer_seconds == pytest.approx(0.5)
+    assert (p1.allreduce_seconds, p4.allreduce_seconds) == pytest.approx((0.0, 3.0))
+    assert p4.step_seconds == pytest.approx(p4.pipeline_seconds + 0.5 + 3.0)
+
+
+def test_calibrated_profile_errors():
+    data = {"units": {"0": {"forward_s": 1.0, "input_grad_s": 1.0, "weight_grad_s": 0.5,
+                            "activation_bytes": 1, "param_bytes": 1}},
+            "micro_batch_size": 2, "p2p": {"seconds": 0.0},
+            "calibration": {"sizes": [2, 4], "world_size": 1, "action_overhead_s": {}}}
+    with pytest.raises(ProfileError, match="profile lacks 'units'"):
+        Profile.from_dict(data)
+    assert Affine(fixed_s=-2.0, per_sample_s=0.5).at(2) == 0.0
