@@ -13,7 +13,7 @@ measured seconds and the error |pred - meas| / meas; ``median_abs_error``, ``max
 and ``choice_gap``: per worker count, measured(lowest predicted) / measured(lowest measured)
 - 1, the worst over worker counts.
 
-    python bench/predictor.py [--job examples/tiny.yaml] [--steps 10] [--rounds 2] [--json FILE]
+    python bench/predictor.py [--job examples/tiny.yaml] [--steps 8] [--rounds 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ def choice_gap(rows: list[dict]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", default=str(ROOT / "examples" / "tiny.yaml"))
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per candidate run")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per candidate run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of every candidate")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every candidate")
     parser.add_argument("--tiny", action="store_true", help="three layouts, few steps")
     parser.add_argument("--json", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
@@ -126,23 +126,24 @@ def main() -> None:
     profile = Profile.from_dict(profile_doc)
     seq_len = base_job.spec.model.seq_len
 
-    times: list[list[float]] = [[] for _ in runs]
+    times: list[list[list[float]]] = [[] for _ in runs]  # per candidate, per round
     for round_ in range(args.rounds):
         order = list(range(len(runs)))[:: 1 if round_ % 2 == 0 else -1]
         for i in order:
             layout, job = runs[i]
             print(f"round {round_ + 1}: {layout.describe()}", file=sys.stderr, flush=True)
-            times[i] += measure(job, layout, args.steps, args.warmup)
+            times[i].append(measure(job, layout, args.steps, args.warmup))
 
     rows = []
     for (layout, _), measured in zip(runs, times, strict=True):
         predicted = predict_profiled(profile, layout, seq_len).step_seconds
-        meas = statistics.median(measured)
+        meas = statistics.median(t for run in measured for t in run)
         rows.append({
             "layout": layout.describe(),
             "workers": layout.world_size,
             "predicted_s": predicted,
             "measured_s": meas,
+            "measured_rounds_s": [statistics.median(run) for run in measured],
             "error": abs(predicted - meas) / meas,
         })
     print(f"{'layout':36s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}", file=sys.stderr)
