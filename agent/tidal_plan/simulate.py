@@ -353,7 +353,8 @@ def _check_action(layout: Layout, rank: int, action: Action) -> None:
 # dependencies, and a long step is simulated at three shorter micro-batch counts and extended
 # along the straight line they lie on. A pipeline in steady state adds the same time and memory
 # per period of micro-batches, so after the warm-up the makespan is affine in the count; the
-# three points check it, and where they disagree the whole step is simulated.
+# three points check it, and where they disagree the whole step is simulated. Where a long
+# transient passes the check by chance, the estimate is a little off (see estimate_step).
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -484,15 +485,21 @@ def _structural(layout: Layout) -> Layout:
 def estimate_step(layout: Layout, costs: Costs | None = None) -> StepEstimate:
     """Makespan, bubble and per-rank peak memory of one step of ``layout``, fast.
 
-    The same figures as ``simulate(layout, plan_step(layout), costs)`` up to rounding: a step
-    with many more micro-batches than stages is simulated at three counts ``m0 < m0 + p <
-    m0 + 2 p`` that share its residue modulo ``p`` (one micro-batch period, ``pp``) and
-    extrapolated along the line through them when they lie on one.
+    ``simulate(layout, plan_step(layout), costs)``'s figures for a step of few micro-batches;
+    a step with many more micro-batches than stages is simulated at three counts ``m0 < m0 +
+    p < m0 + 2 p`` (``p = 2 pp``) that share its residue modulo ``p`` and extrapolated along
+    the line through them when they lie on one (else simulated whole). A pipeline's steady
+    state repeats every 1, 2 or ``pp`` micro-batches (unbalanced 1F1B stages alternate, for
+    one), all divisors of ``p``, so past the warm-up the line is exact. The warm-up
+    (``2 stages + pp`` micro-batches) is a heuristic: stages whose costs nearly tie can keep
+    a transient going longer, collinear at the three points by chance, and the estimate is
+    then off by a little (0.4% in the worst case the randomized tests found; they bound it
+    at 1%). Planning ranks layouts on it; nothing that runs depends on it.
     """
     costs = costs if costs is not None else Costs()
     costs.check(layout.num_stages)
-    m, period = layout.num_micro_batches, layout.pp
-    warmup = 2 * layout.num_stages + period
+    m, period = layout.num_micro_batches, 2 * layout.pp
+    warmup = 2 * layout.num_stages + layout.pp
     start = warmup + (m - warmup) % period
     if 3 * (start + period) >= m:  # three short steps would cost more than the whole one
         return _exact(layout, costs)
