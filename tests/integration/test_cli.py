@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tidal_agent.cli import load_job
+from tidal_api import ScaleTable
+
 ROOT = Path(__file__).resolve().parents[2]
 TIDAL = Path(sys.executable).with_name("tidal")
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -88,6 +91,54 @@ def test_run_writes_the_report(tmp_path):
         assert step["layout"]["pp"] == 2 and step["layout"]["schedule"] == "zb"
         assert step["seconds"] > 0
     assert len(data["params_sha256"]) == 64
+    [gen] = data["layouts"]  # forced by --schedule, still predicted
+    assert gen["layout"]["schedule"] == "zb" and gen["predictor"] == "modeled"
+    assert gen["predicted_step_s"] > 0 and gen["measured_step_s"] > 0
+
+
+@pytest.mark.slow
+def test_run_uses_the_planners_layout(tmp_path):
+    from tidal_plan.devices import DEVICES
+    from tidal_plan.planner import LayoutPlanner
+
+    report = tmp_path / "report.json"
+    result = tidal("run", TINY, "--workers", "3", "--steps", "3", "--report", report)
+    assert result.returncode == 0, result.stderr
+    assert "planned (modeled" in result.stderr and "measured" in result.stderr
+    [gen] = json.loads(report.read_text())["layouts"]
+    job = load_job(TINY)
+    expected, prediction = LayoutPlanner(job, DEVICES["cpu"]).layout(3)
+    assert gen["layout"] == expected.to_dict()
+    assert gen["predicted_step_s"] == prediction.step_seconds
+
+
+def test_plan_prints_the_scale_table(tmp_path):
+    out = tmp_path / "table.json"
+    result = tidal("plan", TINY, "--device", "cpu", "--json", "--out", out)
+    assert result.returncode == 0, result.stderr
+    table = ScaleTable.model_validate_json(result.stdout)
+    assert ScaleTable.model_validate_json(out.read_text()) == table
+    assert (table.min_workers, table.max_workers, table.device) == (2, 4, "cpu")
+    assert sorted([r.workers for r in table.rows] + [d.workers for d in table.dropped]) == [2, 3, 4]
+    shown = tidal("plan", TINY, "--device", "h100")
+    assert shown.returncode == 0, shown.stderr
+    assert "tiny: scale table (modeled predictor, h100)" in shown.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([TINY, "--device", "tpu"], "unknown device 'tpu'"),
+        ([], "give either JOB_FILE or --flextrain NAME"),
+        ([TINY, "--flextrain", "small"], "give either JOB_FILE or --flextrain NAME"),
+        ([TINY, "--profile", "missing.json"], "missing.json"),
+    ],
+)
+def test_plan_bad_input_gets_one_clear_line(args, message):
+    result = tidal("plan", *args)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 @pytest.mark.slow
