@@ -22,6 +22,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/reshard.py
+	$(BIN)/python bench/predictor.py
+	$(BIN)/python bench/planner.py
 
 clean:
 	rm -rf $(VENV) runs

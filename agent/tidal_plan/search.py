@@ -455,35 +455,44 @@ def _filter(result: SearchResult, space: SearchSpace) -> None:
     last: Choice | None = None
     for workers in sorted(result.choices):
         choice = result.choices[workers]
-        if base is None:
+        if base is None or last is None:
             base = last = choice
             continue
-        time = choice.prediction.step_seconds
-        if workers in result.other and base.workers in result.other:
-            mine = base.prediction.step_seconds / time
-            theirs = result.other[base.workers].step_seconds / result.other[workers].step_seconds
-            apart = mine / theirs - 1
-            if abs(apart) > space.max_disagreement:
-                result.dropped[workers] = Dropped(
-                    workers=workers, reason="disagreement",
-                    detail=f"speedup over {base.workers} workers {mine:.2f}x {result.names[0]}, "
-                           f"{theirs:.2f}x {result.names[1]} ({apart:+.0%}, more than "
-                           f"{space.max_disagreement:.0%} apart)",
-                )
-                continue
-        assert last is not None
-        gain = last.prediction.step_seconds / time - 1
-        if gain < space.min_gain:
-            result.dropped[workers] = Dropped(
-                workers=workers, reason="gain",
-                detail=f"{gain:+.1%} over {last.workers} workers "
-                       f"({last.prediction.step_seconds:.4g} s -> {time:.4g} s), "
-                       f"under the {space.min_gain:.0%} threshold",
-            )
-            continue
-        last = choice
+        why = _disagreement(result, space, base, choice) or _small_gain(space, last, choice)
+        if why is None:
+            last = choice
+        else:
+            result.dropped[workers] = Dropped(workers=workers, reason=why[0], detail=why[1])
     for workers in result.dropped:
         result.choices.pop(workers, None)
+
+
+def _disagreement(
+    result: SearchResult, space: SearchSpace, base: Choice, choice: Choice
+) -> tuple[str, str] | None:
+    other = result.other
+    if choice.workers not in other or base.workers not in other:
+        return None
+    mine = base.prediction.step_seconds / choice.prediction.step_seconds
+    theirs = other[base.workers].step_seconds / other[choice.workers].step_seconds
+    apart = mine / theirs - 1
+    if abs(apart) <= space.max_disagreement:
+        return None
+    return "disagreement", (
+        f"speedup over {base.workers} workers {mine:.2f}x {result.names[0]}, {theirs:.2f}x "
+        f"{result.names[1]} ({apart:+.0%}, more than {space.max_disagreement:.0%} apart)"
+    )
+
+
+def _small_gain(space: SearchSpace, last: Choice, choice: Choice) -> tuple[str, str] | None:
+    before, after = last.prediction.step_seconds, choice.prediction.step_seconds
+    gain = before / after - 1
+    if gain >= space.min_gain:
+        return None
+    return "gain", (
+        f"{gain:+.1%} over {last.workers} workers ({before:.4g} s -> {after:.4g} s), under the "
+        f"{space.min_gain:.0%} threshold"
+    )
 
 
 def scale_table(
