@@ -349,7 +349,9 @@ def candidates(
             continue
         pp = ranks // dp
         if pp > units:
-            yield f"pp={pp} (dp={dp}) exceeds the model's {units} placement units"
+            yield (f"pp={pp} (dp={dp}) exceeds the model's {units} placement units: "
+                   f"use at most {units * dp * predictor.gpus_per_rank // space.gpus_per_worker}"
+                   " workers or add layers")
             continue
         reason = predictor.check(dp)
         if reason is not None:

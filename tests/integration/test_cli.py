@@ -38,7 +38,10 @@ def _bad(doc_field):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--workers", "20"], "20 workers need 20 stages but the model has only 8 placement units"),
+        (["--workers", "20"], "no layout for 20 workers: pp=20 (dp=1) exceeds the model's 8 "
+                              "placement units: use at most 8 workers"),
+        (["--workers", "20", "--schedule", "1f1b"],
+         "20 workers need 20 stages but the model has only 8 placement units"),
         (["--workers", "3", "--partition", "3,3,3"], "partition [3, 3, 3] covers 9 units"),
         (["--workers", "3", "--partition", "4,4,0"], "has an empty stage"),
         (["--workers", "2", "--partition", "a,b"], "expected units per stage"),
