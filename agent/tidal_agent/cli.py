@@ -236,8 +236,7 @@ def plan(job_file, profile_path, device, flextrain, elastic, max_disagreement, a
         columns = (TextColumn("planning"), BarColumn(), MofNCompleteColumn())
         with Progress(*columns, console=_console, transient=True) as progress:
             if flextrain:
-                total = None
-                task = progress.add_task("plan", total=total)
+                task = progress.add_task("plan", total=None)
                 table, _ = plan_flextrain(flextrain, dev, elastic=elastic,
                                           on_row=lambda w: progress.advance(task))
             else:
