@@ -5,6 +5,7 @@ without pulling in torch or kopf.
 """
 
 from tidal_api.scale import DroppedRow, ScaleRow, ScaleTable
+from tidal_api.status import AppliedLayout, Condition, JobStatus, Phase, Target
 from tidal_api.spec import (
     API_VERSION,
     GROUP,
@@ -25,6 +26,11 @@ from tidal_api.spec import (
 
 __all__ = [
     "API_VERSION",
+    "AppliedLayout",
+    "Condition",
+    "JobStatus",
+    "Phase",
+    "Target",
     "GROUP",
     "KIND",
     "VERSION",

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from tidal_api.status import JobStatus
+
 GROUP = "tidal.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -124,6 +126,14 @@ class ScalingSpec(_Spec):
     min_gain: float = Field(0.05, ge=0)
     arrival_window_seconds: float = Field(28800, gt=0)
     cooldown_seconds: float = Field(60, ge=0)
+    drain_timeout_seconds: float = Field(
+        300, gt=0, description="After a scale-down target, seconds the agent has to release "
+        "its pods before the operator deletes them anyway."
+    )
+    switch_overhead_seconds: float = Field(
+        30, ge=0, description="Switch pause the scale-up rule assumes until the agent has "
+        "measured one (status.lastSwitchSeconds)."
+    )
 
 
 class CheckpointSpec(_Spec):
@@ -155,7 +165,7 @@ class ElasticTrainingJob(BaseModel):
     kind: Literal["ElasticTrainingJob"] = KIND
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
     spec: JobSpec = Field(default_factory=JobSpec)
-    status: dict[str, Any] | None = None
+    status: JobStatus | None = None
 
 
 def _first_error(err: ValidationError) -> str:

@@ -1,0 +1,114 @@
+"""ElasticTrainingJob status: who owns which field, and the protocol they speak (DESIGN.md 3).
+
+The operator owns ``target``, ``phase``, ``conditions`` and its hysteresis (``lastScaleTime``,
+``lastDecision``, ``observedGeneration``); the agent leader owns ``generation`` (applied),
+``members``, ``layout``, ``step``, ``loss``, ``tokensPerSecond``, ``stepSeconds``,
+``predictedStepSeconds``, ``lastSwitchSeconds`` and ``scaleTable``. Each side writes only its
+own fields, with a merge patch on the status subresource, so neither overwrites the other.
+
+Scale up: the operator creates the joiners' pods, then writes ``target = {workers, generation:
+g+1, join: [pods]}``; the leader switches at a step boundary once every joiner waits in the
+rendezvous and writes ``generation = g+1``. Scale down: ``target = {workers, generation: g+1,
+release: [pods], deadline}``; the leader moves state off the released pods, which exit 0, and
+the operator deletes them; past the deadline it deletes them anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from tidal_api.scale import ScaleTable
+
+Phase = Literal["Pending", "Running", "Scaling", "Succeeded", "Failed", "Invalid"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+# Condition types the operator sets.
+VALID = "Valid"  # the spec can be run; False with the reason why not
+READY = "Ready"  # every worker of the applied generation is running
+SCALING = "Scaling"  # a target is outstanding; its reason says up or down and why
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class Condition(_Status):
+    """A Kubernetes-style condition: one line of state with the reason it changed."""
+
+    type: str = Field(description="Valid, Ready or Scaling.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason, e.g. IdleGPUs or PendingGPUPods.")
+    message: str = Field("", description="One line for humans: what happened and why.")
+    last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
+    observed_generation: int = Field(
+        0, ge=0, description="metadata.generation of the spec this condition describes."
+    )
+
+
+class Target(_Status):
+    """What the operator asks of the agent: a worker count, as a new generation."""
+
+    workers: int = Field(ge=1, description="Worker pods the job should run with.")
+    generation: int = Field(ge=0, description="Generation the agent reports once applied.")
+    reason: str = Field("", description="Why the operator asks for this count.")
+    join: tuple[str, ...] = Field((), description="Pods created for this target (scale up).")
+    release: tuple[str, ...] = Field(
+        (), description="Pods to drain and let go (scale down); they exit 0 once drained."
+    )
+    issued_at: str = Field("", description="RFC 3339 time the target was set.")
+    deadline: str | None = Field(
+        None, description="RFC 3339 time after which released pods are deleted anyway."
+    )
+
+
+class AppliedLayout(_Status):
+    """The layout the agent runs in its applied generation."""
+
+    dp: int = Field(ge=1, description="Data-parallel pipeline replicas.")
+    pp: int = Field(ge=1, description="Pipeline ranks per replica.")
+    partition: tuple[int, ...] = Field(description="Placement units per stage.")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = Field(
+        description="Pipeline schedule."
+    )
+    virtual_stages: int = Field(1, ge=1, description="Model chunks per rank.")
+    micro_batch_size: int = Field(ge=1, description="Samples per micro-batch.")
+    num_micro_batches: int = Field(ge=1, description="Micro-batches per replica and step.")
+
+
+class JobStatus(_Status):
+    """status of an ElasticTrainingJob; every field optional until its owner writes it."""
+
+    # The operator's fields.
+    phase: Phase = Field("Pending", description="Where the job is in its life.")
+    workers: int = Field(0, ge=0, description="Worker pods of the applied generation.")
+    target: Target | None = Field(None, description="The operator's outstanding request.")
+    conditions: tuple[Condition, ...] = Field((), description="Valid, Ready and Scaling.")
+    last_scale_time: str | None = Field(
+        None, description="RFC 3339 time of the last target: the cooldown counts from it."
+    )
+    last_decision: str | None = Field(
+        None, description="The last scale decision, one line, as in its Event."
+    )
+    observed_generation: int = Field(
+        0, ge=0, description="metadata.generation of the spec the operator last acted on."
+    )
+    # The agent leader's fields.
+    generation: int = Field(0, ge=0, description="Generation the agent runs (applied).")
+    members: tuple[str, ...] = Field((), description="Pods of the applied generation, in rank order.")
+    layout: AppliedLayout | None = Field(None, description="Layout of the applied generation.")
+    step: int = Field(0, ge=0, description="Optimizer steps done.")
+    loss: float | None = Field(None, description="Loss of the last step.")
+    tokens_per_second: float | None = Field(None, ge=0, description="Measured throughput.")
+    step_seconds: float | None = Field(None, ge=0, description="Measured seconds per step.")
+    predicted_step_seconds: float | None = Field(
+        None, ge=0, description="The scale table's seconds per step for the applied layout."
+    )
+    last_switch_seconds: float | None = Field(
+        None, ge=0, description="Pause of the last layout switch: the overhead the policy weighs."
+    )
+    scale_table: ScaleTable | None = Field(None, description="The planner's scale table.")
