@@ -31,12 +31,14 @@ class ScaleRow(_Wire):
     dp: int = Field(ge=1, description="Data-parallel pipeline replicas.")
     pp: int = Field(ge=1, description="Pipeline ranks per replica.")
     partition: tuple[int, ...] = Field(description="Placement units per stage, in stage order.")
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"]
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = Field(
+        description="Pipeline schedule."
+    )
     virtual_stages: int = Field(1, ge=1, description="Model chunks per rank (interleaved).")
-    micro_batch_size: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1, description="Samples per micro-batch.")
     num_micro_batches: int = Field(ge=1, description="Micro-batches per replica and step.")
     step_seconds: float = Field(gt=0, description="Predicted seconds per optimizer step.")
-    tokens_per_second: float = Field(gt=0)
+    tokens_per_second: float = Field(gt=0, description="Predicted training throughput.")
     peak_memory_bytes: float = Field(ge=0, description="Predicted peak of the fullest GPU.")
     speedup: float = Field(gt=0, description="Throughput over the table's smallest row.")
     predictor: PredictorName = Field(description="The predictor whose figures these are.")
@@ -48,25 +50,28 @@ class ScaleRow(_Wire):
 class DroppedRow(_Wire):
     """A worker count the job should not run at, and why."""
 
-    workers: int = Field(ge=1)
-    reason: DropReason
+    workers: int = Field(ge=1, description="Worker pods.")
+    reason: DropReason = Field(
+        description="hyperparameters: no layout fits the batch; memory: it would not fit; "
+        "disagreement: the predictors disagree; gain: too little over the row below."
+    )
     detail: str = Field(description="One line: the numbers behind the reason.")
 
 
 class ScaleTable(_Wire):
     """A job's scale table: one row or one dropped entry per worker count in the range."""
 
-    job: str
+    job: str = Field(description="Name of the job the table was planned for.")
     device: str = Field(description="The device description the modeled figures use.")
     source: PredictorName = Field(description="Which predictor chose the rows.")
-    min_workers: int = Field(ge=1)
-    max_workers: int = Field(ge=1)
-    gpus_per_worker: int = Field(1, ge=1)
+    min_workers: int = Field(ge=1, description="Smallest worker count in the table.")
+    max_workers: int = Field(ge=1, description="Largest worker count in the table.")
+    gpus_per_worker: int = Field(1, ge=1, description="GPUs (ranks) per worker pod.")
     global_batch_size: int = Field(ge=1, description="Samples per step, fixed for every row.")
-    seq_len: int = Field(ge=1)
+    seq_len: int = Field(ge=1, description="Tokens per sample.")
     min_gain: float = Field(ge=0, description="Least gain over the next smaller row kept.")
-    rows: tuple[ScaleRow, ...] = ()
-    dropped: tuple[DroppedRow, ...] = ()
+    rows: tuple[ScaleRow, ...] = Field((), description="Worker counts worth running, ascending.")
+    dropped: tuple[DroppedRow, ...] = Field((), description="Worker counts not worth running.")
 
     @model_validator(mode="after")
     def _one_entry_per_count(self) -> ScaleTable:

@@ -2,7 +2,10 @@
 
 Field names on the wire are camelCase, as in every Kubernetes object; in Python they are
 snake_case. Unknown fields are refused, so a typo in a manifest is an error rather than a
-silently ignored setting.
+silently ignored setting. These types are the one declaration of the job's fields: the CRD's
+schema is generated from them (tidal_api.crd), and each cross-field validator here has a CEL
+twin (``x-kubernetes-validations``) with the same message, so the API server refuses what
+``parse_job`` refuses.
 """
 
 from __future__ import annotations
@@ -33,7 +36,28 @@ class _Spec(BaseModel):
     )
 
 
+def _cel(rule: str, message: str, message_expression: str | None = None) -> ConfigDict:
+    """A model's CEL rule for the CRD: the API server's copy of its model validator.
+
+    ``messageExpression`` gives the validator's own message with the values; ``message`` is the
+    fallback where the expression cannot be evaluated (and all there is without values).
+    """
+    validation = {"rule": rule, "message": message}
+    if message_expression:
+        validation["messageExpression"] = message_expression
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": [validation]})
+
+
 class WorkersSpec(_Spec):
+    """How many worker pods the job may run with."""
+
+    model_config = _cel(
+        "self.min <= self.max",
+        "workers.min must not exceed workers.max",
+        '"workers.min (" + string(self.min) + ") must not exceed workers.max ("'
+        ' + string(self.max) + ")"',
+    )
+
     min: int = Field(2, ge=1, description="Workers the job starts with and never goes below.")
     max: int = Field(8, ge=1, description="Most workers the job may grow to.")
 
@@ -45,6 +69,15 @@ class WorkersSpec(_Spec):
 
 
 class ModelSpec(_Spec):
+    """The GPT-style decoder's architecture."""
+
+    model_config = _cel(
+        "self.dModel % self.heads == 0",
+        "model.heads must divide model.dModel",
+        '"model.heads (" + string(self.heads) + ") must divide model.dModel ("'
+        ' + string(self.dModel) + ")"',
+    )
+
     layers: int = Field(6, ge=1, description="Transformer blocks.")
     d_model: int = Field(64, ge=1, description="Hidden size.")
     heads: int = Field(4, ge=1, description="Attention heads; must divide dModel.")
@@ -67,6 +100,13 @@ class ModelSpec(_Spec):
 
 
 class DataSpec(_Spec):
+    """Where the training samples come from."""
+
+    model_config = _cel(
+        "self.kind != 'tokens' || (has(self.path) && size(self.path) > 0)",
+        "training.data.path is required when training.data.kind is tokens",
+    )
+
     kind: Literal["synthetic", "tokens"] = Field(
         "synthetic", description="synthetic: a seeded corpus with learnable structure; "
         "tokens: a uint16 token file (nanoGPT-style)."
@@ -81,6 +121,15 @@ class DataSpec(_Spec):
 
 
 class TrainingSpec(_Spec):
+    """Optimisation: steps, batch, learning-rate schedule, data."""
+
+    model_config = _cel(
+        "self.globalBatchSize % self.microBatchSize == 0",
+        "training.microBatchSize must divide training.globalBatchSize",
+        '"training.microBatchSize (" + string(self.microBatchSize) + ") must divide '
+        'training.globalBatchSize (" + string(self.globalBatchSize) + ")"',
+    )
+
     steps: int = Field(100, ge=1, description="Optimizer steps.")
     global_batch_size: int = Field(16, ge=1, description="Samples per step.")
     micro_batch_size: int = Field(2, ge=1, description="Samples per micro-batch.")
@@ -91,7 +140,7 @@ class TrainingSpec(_Spec):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 turns it off.")
     seed: int = Field(0, ge=0, description="Seeds initial values, data and dropout.")
-    data: DataSpec = Field(default_factory=DataSpec)
+    data: DataSpec = Field(default_factory=DataSpec, description="Where the samples come from.")
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainingSpec:
@@ -108,6 +157,8 @@ class TrainingSpec(_Spec):
 
 
 class ParallelismSpec(_Spec):
+    """Which parallel degrees may change, and how strictly results must match a static run."""
+
     elastic: Literal["pp", "dp-pp"] = Field("pp", description="Which degrees may change.")
     consistency: Literal["strict", "relaxed"] = Field(
         "strict", description="strict: bitwise the same result as a static run."
@@ -121,11 +172,26 @@ class ParallelismSpec(_Spec):
 
 
 class ScalingSpec(_Spec):
-    enabled: bool = True
-    probability_threshold: float = Field(0.6, ge=0, le=1)
-    min_gain: float = Field(0.05, ge=0)
-    arrival_window_seconds: float = Field(28800, gt=0)
-    cooldown_seconds: float = Field(60, ge=0)
+    """The operator's scaling policy for this job (DESIGN.md section 4)."""
+
+    enabled: bool = Field(
+        True, description="Let the operator grow the job into idle GPUs; false keeps it at min."
+    )
+    probability_threshold: float = Field(
+        0.6, ge=0, le=1, description="Scale up only if the probability that the idle window "
+        "outlasts the switch overhead, exp(-rate x overhead / gain), exceeds this."
+    )
+    min_gain: float = Field(
+        0.05, ge=0, description="Least relative throughput gain a larger scale-table row must "
+        "bring to be used."
+    )
+    arrival_window_seconds: float = Field(
+        28800, gt=0, description="Window over which the arrival rate of non-elastic GPU pods "
+        "is estimated."
+    )
+    cooldown_seconds: float = Field(
+        60, ge=0, description="Seconds after a scale decision before the next scale-up."
+    )
     drain_timeout_seconds: float = Field(
         300, gt=0, description="After a scale-down target, seconds the agent has to release "
         "its pods before the operator deletes them anyway."
@@ -137,35 +203,115 @@ class ScalingSpec(_Spec):
 
 
 class CheckpointSpec(_Spec):
-    path: str | None = None
+    """Periodic distributed checkpoints, which reload into any layout."""
+
+    path: str | None = Field(
+        None, description="Directory the checkpoints go to, on storage every worker can reach."
+    )
     every_steps: int = Field(0, ge=0, description="0 turns periodic checkpoints off.")
 
 
+class ResourcesSpec(_Spec):
+    """Requests and limits of the agent container, as Kubernetes quantities ("500m", "16Gi", 4)."""
+
+    requests: dict[str, int | str] = Field(
+        default_factory=dict, description="Resource requests, e.g. {cpu: 8, memory: 32Gi}."
+    )
+    limits: dict[str, int | str] = Field(
+        default_factory=dict,
+        description="Resource limits; the operator sets the GPU limit from gpusPerWorker.",
+    )
+
+
+class TemplateSpec(_Spec):
+    """What the cluster needs of the worker pods; the operator adds everything Tidal needs.
+
+    The lists are passed to the pod as they are (Kubernetes validates them when the pod is
+    created), so any toleration, env var or volume the cluster supports can be used.
+    """
+
+    image: str = Field(
+        "tidal-agent:latest", description="The agent image (the Dockerfile's agent target)."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="When the kubelet pulls the image; IfNotPresent (also for "
+        ":latest) lets a locally loaded image run."
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="CPU, memory and other resources per worker."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels a worker's node must have."
+    )
+    tolerations: tuple[dict[str, Any], ...] = Field(
+        (), description="Pod tolerations, e.g. for tainted GPU nodes."
+    )
+    env: tuple[dict[str, Any], ...] = Field(
+        (), description="Extra environment variables of the agent container (EnvVar objects)."
+    )
+    volumes: tuple[dict[str, Any], ...] = Field(
+        (), description="Pod volumes, e.g. the token file's or the checkpoints' storage."
+    )
+    volume_mounts: tuple[dict[str, Any], ...] = Field(
+        (), description="Where the agent container mounts the volumes (VolumeMount objects)."
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Extra labels of the worker pods."
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict, description="Annotations of the worker pods."
+    )
+
+
 class JobSpec(_Spec):
-    workers: WorkersSpec = Field(default_factory=WorkersSpec)
-    gpus_per_worker: int = Field(1, ge=1)
-    max_scale_factor: int = Field(4, ge=1)
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    training: TrainingSpec = Field(default_factory=TrainingSpec)
-    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
-    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    template: dict[str, Any] = Field(default_factory=dict)
+    """spec of an ElasticTrainingJob: what to train, on how many workers, under which policy."""
+
+    workers: WorkersSpec = Field(
+        default_factory=WorkersSpec, description="Worker pod range; the job starts at min."
+    )
+    gpus_per_worker: int = Field(1, ge=1, description="GPUs (ranks) per worker pod.")
+    max_scale_factor: int = Field(
+        4, ge=1, description="The job never runs more than this times workers.min workers."
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model to train.")
+    training: TrainingSpec = Field(
+        default_factory=TrainingSpec, description="Steps, batch, optimiser and data."
+    )
+    parallelism: ParallelismSpec = Field(
+        default_factory=ParallelismSpec, description="How the model is spread over the GPUs."
+    )
+    scaling: ScalingSpec = Field(
+        default_factory=ScalingSpec, description="When the operator grows and shrinks the job."
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, description="Periodic checkpoints."
+    )
+    template: TemplateSpec = Field(
+        default_factory=TemplateSpec, description="Overrides for the worker pods."
+    )
 
 
 class ObjectMeta(BaseModel):
+    """The few metadata fields Tidal reads; the rest are kept as they are."""
+
     model_config = ConfigDict(extra="allow")
     name: str = "job"
     namespace: str | None = None
 
 
 class ElasticTrainingJob(BaseModel):
+    """A training job that grows into idle GPUs and gives them back when other work needs them."""
+
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    api_version: Literal["tidal.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
-    kind: Literal["ElasticTrainingJob"] = KIND
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    spec: JobSpec = Field(default_factory=JobSpec)
-    status: JobStatus | None = None
+    api_version: Literal["tidal.dev/v1alpha1"] = Field(
+        API_VERSION, alias="apiVersion", description="Versioned schema of this object."
+    )
+    kind: Literal["ElasticTrainingJob"] = Field(KIND, description="Kind of this object.")
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta, description="Standard metadata.")
+    spec: JobSpec = Field(default_factory=JobSpec, description="What to train and how to scale.")
+    status: JobStatus | None = Field(
+        None, description="Written by the operator and the agent leader; see tidal_api.status."
+    )
 
 
 def _first_error(err: ValidationError) -> str:

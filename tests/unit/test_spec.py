@@ -46,3 +46,36 @@ def test_wrong_kind():
     doc["kind"] = "Job"
     with pytest.raises(JobSpecError, match="kind"):
         parse_job(doc)
+
+
+def test_template_defaults_and_typed_fields():
+    template = parse_job(_doc()).spec.template
+    assert (template.image, template.image_pull_policy) == ("tidal-agent:latest", "IfNotPresent")
+    assert template.resources.requests == {} and template.tolerations == ()
+    template = parse_job(_doc(template={
+        "image": "tidal-agent:0.1.0",
+        "resources": {"requests": {"cpu": 8, "memory": "48Gi"}, "limits": {"memory": "48Gi"}},
+        "nodeSelector": {"gpu": "h100"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    })).spec.template
+    assert template.resources.requests == {"cpu": 8, "memory": "48Gi"}
+    assert template.node_selector == {"gpu": "h100"}
+    assert template.tolerations == ({"key": "nvidia.com/gpu", "operator": "Exists"},)
+    assert template.volume_mounts[0]["mountPath"] == "/data"
+
+
+@pytest.mark.parametrize(
+    ("template", "where"),
+    [
+        ({"command": ["sh"]}, "spec.template.command: unknown field"),
+        ({"imagePullPolicy": "Sometimes"}, "spec.template.imagePullPolicy"),
+        ({"resources": {"requests": {"cpu": 0.5}}}, "spec.template.resources.requests.cpu"),
+        ({"resources": {"claims": []}}, "spec.template.resources.claims: unknown field"),
+        ({"labels": {"team": 1}}, "spec.template.labels.team"),
+    ],
+)
+def test_bad_template_is_refused(template, where):
+    with pytest.raises(JobSpecError, match=where.replace(".", r"\.")):
+        parse_job(_doc(template=template))
+
