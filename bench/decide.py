@@ -1,0 +1,182 @@
+"""The scaling policy's latency: ``decide(snapshot, now)`` on a cluster of issue 5's size.
+
+Builds seeded random snapshots of 1,000 nodes x 8 GPUs, 200 elastic jobs (monotone scale
+tables with a few dropped rows, some jobs busy or cooling down) and 5,000 pods, in two
+scenarios: ``scale_up`` (about a tenth of the GPUs idle, no GPU pod pending, few arrivals, so
+most jobs pass the Poisson rule and place workers) and ``scale_down`` (a full cluster and one
+pod in 50 a pending non-elastic pod of 1 to 8 GPUs, so placement-aware scale-down plans are
+searched).
+Times ``decide`` over ``--repeat`` runs per scenario and prints JSON: per scenario the median
+and worst milliseconds, the decisions made and the time to build the snapshot records from
+plain values; ``median_ms`` is the worse scenario's median, against ``target_ms`` (50).
+
+    python bench/decide.py [--repeat 30] [--seed 0] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "agent"), str(ROOT / "operator")]
+
+from tidal_api import DroppedRow, ScaleRow, ScaleTable  # noqa: E402
+from tidal_operator.policy import decide  # noqa: E402
+from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot  # noqa: E402
+
+TARGET_MS = 50.0
+NOW = 1_000_000.0
+WINDOW = 28_800.0
+FULL = {"nodes": 1000, "gpus_per_node": 8, "jobs": 200, "pods": 5000}
+TINY = {"nodes": 12, "gpus_per_node": 8, "jobs": 5, "pods": 60}
+
+
+def scale_table(job: str, tokens_per_second: dict[int, float], min_workers: int,
+                max_workers: int, gpus_per_worker: int = 1) -> ScaleTable:
+    """A scale table with rows at the counts given (tokens/s each), the others dropped."""
+    first = min(tokens_per_second.values())
+    rows = tuple(
+        ScaleRow(
+            workers=w, gpus=w * gpus_per_worker, dp=1, pp=w * gpus_per_worker,
+            partition=(1,) * (w * gpus_per_worker), schedule="1f1b", micro_batch_size=1,
+            num_micro_batches=8, step_seconds=8 * 1024 / tps, tokens_per_second=tps,
+            peak_memory_bytes=2**30, speedup=tps / first, predictor="modeled",
+        )
+        for w, tps in sorted(tokens_per_second.items())
+    )
+    dropped = tuple(
+        DroppedRow(workers=w, reason="gain", detail="under minGain over the row below")
+        for w in range(min_workers, max_workers + 1) if w not in tokens_per_second
+    )
+    return ScaleTable(job=job, device="h100", source="modeled", min_workers=min_workers,
+                      max_workers=max_workers, gpus_per_worker=gpus_per_worker,
+                      global_batch_size=8, seq_len=1024, min_gain=0.05, rows=rows,
+                      dropped=dropped)
+
+
+def plain_cluster(scenario: str, *, nodes: int, gpus_per_node: int, jobs: int, pods: int,
+                  seed: int = 0) -> dict:
+    """The cluster as plain tuples (what an adapter's indexes hold) plus the scale tables."""
+    rng = random.Random(f"{scenario}-{seed}")
+    names = [f"node-{i:04d}" for i in range(nodes)]
+    free = dict.fromkeys(names, gpus_per_node)
+    pod_rows: list[tuple] = []
+
+    def place(gpus: int) -> str | None:
+        start = rng.randrange(nodes)
+        for i in range(nodes):
+            name = names[(start + i) % nodes]
+            if free[name] >= gpus:
+                free[name] -= gpus
+                return name
+        return None
+
+    job_rows = []
+    for j in range(jobs):
+        key = f"team-{j % 7}/job-{j:03d}"
+        lo = rng.randint(1, 4)
+        hi = lo * rng.choice([2, 4, 4, 6])
+        gpw = rng.choice([1, 1, 1, 2, 2, 4])
+        workers = rng.randint(lo, min(hi, 4 * lo))
+        alpha = rng.uniform(0.55, 0.95)
+        base = rng.uniform(2e4, 2e6)
+        kept = {w: base * (w / lo) ** alpha for w in range(lo, hi + 1)
+                if w in (lo, workers) or rng.random() > 0.2}
+        members = []
+        for rank in range(workers):
+            node = place(gpw)
+            if node is None:
+                break
+            members.append(f"{key}-w{rank}")
+            pod_rows.append((members[-1], gpw, node, "Running", key, False, NOW - 3600.0))
+        busy = rng.random() < 0.1
+        cooling = rng.random() < 0.1
+        job_rows.append(dict(
+            key=key, min_workers=lo, max_workers=hi, workers=len(members), gpus_per_worker=gpw,
+            members=tuple(members), busy=busy,
+            releasing=tuple(members[-1:]) if busy and len(members) > lo else (),
+            scale_table=scale_table(key, kept, lo, hi, gpw), switch_seconds=rng.uniform(5, 60),
+            last_scale_time=NOW - 10.0 if cooling else NOW - 3600.0,
+        ))
+    pending = max(1, pods // 50) if scenario == "scale_down" else 0
+    keep_idle = (0.01 if scenario == "scale_down" else 0.1) * nodes * gpus_per_node
+    sizes = [1, 1, 1, 2, 2, 4, 8]
+    while len(pod_rows) < pods - pending:
+        gpus = rng.choice(sizes)
+        key = f"batch/pod-{len(pod_rows):05d}"
+        created = NOW - rng.uniform(0, 2 * WINDOW)
+        node = place(gpus) if sum(free.values()) - gpus >= keep_idle else None
+        if node is None:  # a finished pod: it counts, it holds nothing
+            pod_rows.append((key, gpus, rng.choice(names), "Succeeded", None, False, created))
+        else:
+            pod_rows.append((key, gpus, node, "Running", None, False, created))
+    for i in range(pending):
+        pod_rows.append((f"batch/pending-{i:03d}", rng.choice([1, 2, 4, 8]), None, "Pending",
+                         None, True, NOW - rng.uniform(0, 600)))
+    arrivals = [NOW - rng.uniform(0, WINDOW) for _ in range(20 if pending == 0 else 400)]
+    return {"nodes": [(n, gpus_per_node) for n in names], "pods": pod_rows, "jobs": job_rows,
+            "arrivals": arrivals}
+
+
+def snapshot_of(plain: dict) -> Snapshot:
+    """Build the snapshot records from plain values, as the operator's adapter does."""
+    return Snapshot(
+        nodes=tuple(Node(*n) for n in plain["nodes"]),
+        pods=tuple(Pod(*p) for p in plain["pods"]),
+        jobs=tuple(ElasticJob(**j) for j in plain["jobs"]),
+        arrivals=tuple(plain["arrivals"]),
+    )
+
+
+def build_snapshot(scenario: str, *, seed: int = 0, **size: int) -> Snapshot:
+    """A seeded random snapshot of ``scenario`` (scale_up or scale_down); full size by default."""
+    return snapshot_of(plain_cluster(scenario, seed=seed, **{**FULL, **size}))
+
+
+def measure(scenario: str, size: dict, repeat: int, seed: int) -> dict:
+    plain = plain_cluster(scenario, seed=seed, **size)
+    built, decide_ms = [], []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        snapshot = snapshot_of(plain)
+        built.append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        decisions = decide(snapshot, NOW)
+        decide_ms.append((time.perf_counter() - started) * 1e3)
+    kinds = [d.kind for d in decisions]
+    return {
+        "median_ms": round(statistics.median(decide_ms), 3),
+        "max_ms": round(max(decide_ms), 3),
+        "snapshot_ms": round(statistics.median(built), 3),
+        "scale_up": kinds.count("scale_up"),
+        "scale_down": kinds.count("scale_down"),
+        "workers_added": sum(len(d.nodes) for d in decisions),
+        "pods_released": sum(len(d.release) for d in decisions),
+        "pending_given_room": len({p for d in decisions for p, _ in d.room_for}),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="a toy cluster (smoke test)")
+    args = parser.parse_args()
+    size = TINY if args.tiny else FULL
+    scenarios = {name: measure(name, size, args.repeat, args.seed)
+                 for name in ("scale_up", "scale_down")}
+    worst = max(s["median_ms"] for s in scenarios.values())
+    print(json.dumps({
+        "size": size, "repeat": args.repeat, "scenarios": scenarios,
+        "median_ms": worst, "target_ms": TARGET_MS, "within_target": worst <= TARGET_MS,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Tidal's scaling controller: a pure snapshot, a pure policy, and the kopf operator around them."""

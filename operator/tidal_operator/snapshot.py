@@ -1,0 +1,118 @@
+"""The cluster as the policy sees it: plain frozen records, nothing that talks to Kubernetes.
+
+The operator's adapter builds a :class:`Snapshot` from its indexes of nodes, pods and
+ElasticTrainingJobs; :func:`tidal_operator.policy.decide` reads it. The records are slotted
+frozen dataclasses with no validation beyond what the policy relies on, so that building one
+for a thousand nodes and thousands of pods costs little next to the decision itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal_api import ScaleTable
+
+# A pod in one of these phases has given its GPUs back, wherever it is bound.
+FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A node and its allocatable GPUs."""
+
+    name: str
+    gpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """A pod that asks for GPUs (pods that ask for none may be left out).
+
+    ``job`` is the ElasticTrainingJob key ("ns/name", from the ``tidal.dev/job`` label) of a
+    Tidal worker pod and None for every other pod: the policy makes room for those and never
+    touches them. ``unschedulable`` is the scheduler's PodScheduled=False/Unschedulable verdict;
+    the policy does its own GPU accounting and keeps it for reporting only.
+    """
+
+    key: str
+    gpus: int
+    node: str | None = None
+    phase: str = "Pending"
+    job: str | None = None
+    unschedulable: bool = False
+    created: float = 0.0  # epoch seconds
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in FINISHED_PHASES
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ElasticJob:
+    """One ElasticTrainingJob: its spec's bounds and scaling settings and its applied state.
+
+    ``workers`` is the applied worker count and ``members`` its pods in rank order;
+    ``members[0]`` is the leader, which holds the rendezvous and is never released. ``busy``
+    means a target is outstanding (``status.target.generation`` differs from the applied
+    ``status.generation``); ``releasing`` names that target's released pods, whose GPUs are as
+    good as free for a pending pod. ``switch_seconds`` is the measured pause of the last switch
+    (``status.lastSwitchSeconds``), else ``spec.scaling.switchOverheadSeconds``.
+    ``last_scale_time`` is ``status.lastScaleTime`` in epoch seconds.
+    ``arrival_window_seconds`` is ``spec.scaling.arrivalWindowSeconds``.
+    """
+
+    key: str
+    min_workers: int
+    max_workers: int
+    workers: int
+    max_scale_factor: int = 4
+    gpus_per_worker: int = 1
+    members: tuple[str, ...] = ()
+    busy: bool = False
+    releasing: tuple[str, ...] = ()
+    scale_table: ScaleTable | None = None
+    enabled: bool = True
+    probability_threshold: float = 0.6
+    min_gain: float = 0.05
+    arrival_window_seconds: float | None = None  # None: the snapshot's window
+    cooldown_seconds: float = 60.0
+    last_scale_time: float | None = None
+    switch_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ValueError(
+                f"{self.key}: need 1 <= min_workers <= max_workers, got "
+                f"{self.min_workers}..{self.max_workers}"
+            )
+        if self.gpus_per_worker < 1 or self.max_scale_factor < 1:
+            raise ValueError(f"{self.key}: gpus_per_worker and max_scale_factor must be >= 1")
+
+    @property
+    def cap(self) -> int:
+        """The most workers the job may have: maxWorkers, and maxScaleFactor x minWorkers."""
+        return min(self.max_workers, self.max_scale_factor * self.min_workers)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Nodes, GPU pods and elastic jobs at one moment, and recent non-elastic arrivals.
+
+    ``arrivals`` are the creation times (epoch seconds, any order) of the non-elastic GPU pods
+    created within ``window_seconds`` (at least the longest arrival window of any job),
+    including pods already gone: the Poisson rule estimates the arrival rate from them.
+    """
+
+    nodes: tuple[Node, ...]
+    pods: tuple[Pod, ...] = ()
+    jobs: tuple[ElasticJob, ...] = ()
+    arrivals: tuple[float, ...] = ()
+    window_seconds: float = 28800.0
+
+    def used_gpus(self) -> dict[str, int]:
+        """GPUs held on each node by the pods bound to it that have not finished."""
+        used = dict.fromkeys((n.name for n in self.nodes), 0)
+        for pod in self.pods:
+            if pod.node in used and pod.phase not in FINISHED_PHASES:
+                used[pod.node] += pod.gpus
+        return used

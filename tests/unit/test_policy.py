@@ -1,0 +1,403 @@
+"""The scaling policy: named scenarios and their exact decisions; invariants on random clusters.
+
+The property tests recompute the GPU accounting from the snapshot's pods without the policy's
+helpers: which pods hold GPUs where, what a release frees, what a scale-up takes.
+"""
+
+import dataclasses
+import importlib.util
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidal_operator.policy import IDLE_GPUS, PENDING_GPU_PODS, Decision, decide
+from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_decide", ROOT / "bench" / "decide.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+scale_table = bench.scale_table
+
+NOW = 100_000.0
+HOUR = 3600.0
+
+
+def job(key, *, on, min_workers=1, max_workers=8, factor=4, gpw=1, tps=None, **settings):
+    """An elastic job whose members, in rank order, run on the nodes named by ``on``'s letters."""
+    tps = tps or {w: 100.0 * w**0.9 for w in range(min_workers, max_workers + 1)}
+    members = tuple(f"{key}-{rank}" for rank in range(len(on)))
+    pods = tuple(Pod(m, gpw, node, "Running", key) for m, node in zip(members, on))
+    elastic = ElasticJob(
+        key=key, min_workers=min_workers, max_workers=max_workers, max_scale_factor=factor,
+        gpus_per_worker=gpw, workers=len(on), members=members,
+        scale_table=scale_table(key, tps, min_workers, max_workers, gpw), **settings,
+    )
+    return elastic, pods
+
+
+def running(key, node, gpus):
+    return Pod(key, gpus, node, "Running")
+
+
+def waiting(key, gpus, created=0.0):
+    return Pod(key, gpus, None, "Pending", unschedulable=True, created=created)
+
+
+def cluster(nodes, *jobs, others=(), arrivals=(), window=8 * HOUR):
+    return Snapshot(
+        nodes=tuple(Node(name, gpus) for name, gpus in nodes.items()),
+        pods=tuple(p for _, pods in jobs for p in pods) + tuple(others),
+        jobs=tuple(j for j, _ in jobs),
+        arrivals=tuple(arrivals),
+        window_seconds=window,
+    )
+
+
+def recent(count, window=HOUR):
+    """``count`` arrivals spread over the last ``window`` seconds."""
+    return [NOW - window * (i + 0.5) / count for i in range(count)]
+
+
+def raised_min(entry, min_workers):
+    """The spec's minimum raised after the agent built its table (which starts lower)."""
+    elastic, pods = entry
+    return dataclasses.replace(elastic, min_workers=min_workers), pods
+
+
+def without_table(entry):
+    elastic, pods = entry
+    return dataclasses.replace(elastic, scale_table=None), pods
+
+
+SCALE_UP = [
+    pytest.param(cluster({"a": 8}, job("j", on="aa")),
+                 [dict(job="j", kind="scale_up", from_workers=2, to_workers=4, nodes=("a", "a"),
+                       reason=IDLE_GPUS, probability=1.0, gain=pytest.approx(2**0.9 - 1))],
+                 id="idle-gpus-and-a-good-table"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa"), others=[waiting("p", 1)]), [],
+                 id="a-pending-pod-blocks-scale-up"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa"), others=[waiting("p", 16)]), [],
+                 id="a-pending-pod-too-big-for-any-node-still-blocks"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa"),
+                         others=[Pod("k-1", 1, None, "Pending", "k")]), [],
+                 id="an-unbound-joiner-holds-its-gpus"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaaa")), [], id="cap-reached"),
+    pytest.param(cluster({"a": 16}, job("j", on="aa", min_workers=2, max_workers=16, factor=2)),
+                 [dict(to_workers=4)], id="cap-max-scale-factor-times-min"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", max_workers=3)), [dict(to_workers=3)],
+                 id="cap-max-workers"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", tps={1: 100, 2: 200, 3: 205, 4: 208})), [],
+                 id="gain-below-min-gain"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", tps={1: 100, 2: 200, 3: 250, 4: 210})),
+                 [dict(to_workers=3)], id="the-row-with-most-tokens-per-second"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", tps={1: 100, 2: 200, 4: 300}),
+                         others=[running("x", "a", 5)]), [],
+                 id="no-kept-row-fits"),
+    pytest.param(cluster({"a": 8, "b": 8}, job("j", on="ab", gpw=2),
+                         others=[running("x", "a", 5), running("y", "b", 5)]), [],
+                 id="a-worker-needs-its-gpus-on-one-node"),
+    pytest.param(cluster({"a": 8, "b": 8}, job("j", on="aaaaaa", max_workers=12, factor=12),
+                         others=[running("x", "a", 1), running("y", "b", 4)]),
+                 [dict(to_workers=11, nodes=("a", "b", "b", "b", "b"))],
+                 id="best-fit-placement"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", arrival_window_seconds=HOUR),
+                         arrivals=recent(100)), [],
+                 id="poisson-below-threshold-at-a-high-arrival-rate"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa"), arrivals=recent(100), window=HOUR), [],
+                 id="poisson-over-the-snapshot-window-by-default"),
+    pytest.param(cluster({"a": 8}, job("j", on="a", max_workers=2, tps={1: 100, 2: 200},
+                                       arrival_window_seconds=HOUR, switch_seconds=30),
+                         arrivals=recent(48)), [],
+                 id="poisson-counts-the-switch-back-down"),  # one switch: P = 0.67 > 0.6
+    pytest.param(cluster({"a": 8}, job("j", on="a", max_workers=2, tps={1: 100, 2: 200},
+                                       arrival_window_seconds=HOUR, switch_seconds=30),
+                         arrivals=recent(10)),
+                 [dict(to_workers=2, probability=pytest.approx(math.exp(-10 / HOUR * 60)))],
+                 id="poisson-passes-at-a-low-arrival-rate"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", arrival_window_seconds=HOUR),
+                         arrivals=[NOW - 2 * HOUR] * 1000), [dict(to_workers=4)],
+                 id="arrivals-before-the-window-do-not-count"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", last_scale_time=NOW - 10)), [],
+                 id="cooldown"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", last_scale_time=NOW - 60)),
+                 [dict(to_workers=4)], id="cooldown-over"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", busy=True)), [], id="busy-job"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", enabled=False)), [], id="disabled-job"),
+    pytest.param(cluster({"a": 8}, without_table(job("j", on="aa"))), [], id="no-scale-table"),
+    pytest.param(cluster({"a": 8}, job("a-many", on="aaa"), job("b-few", on="a", factor=8)),
+                 [dict(job="b-few", from_workers=1, to_workers=5)],
+                 id="fewest-workers-first"),
+    pytest.param(cluster({"a": 8}, job("few", on="a", gpw=4), job("many", on="aaa")),
+                 [dict(job="many", from_workers=3, to_workers=4)],
+                 id="the-next-job-takes-what-the-first-cannot-use"),
+    pytest.param(cluster({"a": 6}, job("b", on="aa"), job("a", on="aa")),
+                 [dict(job="a", to_workers=4)], id="ties-by-job-key"),
+]
+
+
+@pytest.mark.parametrize(("snapshot", "expected"), SCALE_UP)
+def test_scale_up(snapshot, expected):
+    check(decide(snapshot, NOW), expected)
+
+
+LEAN = {1: 100, 2: 190, 3: 270, 4: 340}  # loses 21% from 4 to 3 workers
+WIDE = {1: 100, 2: 150, 3: 180, 4: 190}  # loses 5%
+
+SCALE_DOWN = [
+    pytest.param(cluster({"a": 8, "b": 8}, job("lean", on="baaa", max_workers=4, tps=LEAN),
+                         job("wide", on="baaa", max_workers=4, tps=WIDE),
+                         others=[running("x", "a", 2), running("y", "b", 6), waiting("p", 1)]),
+                 [dict(job="wide", kind="scale_down", from_workers=4, to_workers=3,
+                       release=("wide-3",), room_for=(("p", "a"),), reason=PENDING_GPU_PODS,
+                       gain=pytest.approx(180 / 190 - 1))],
+                 id="from-the-job-that-loses-least-per-gpu"),
+    pytest.param(cluster({"a": 8, "b": 8, "c": 8}, job("j", on="cabab"),
+                         others=[running("x", "a", 6), running("y", "b", 6),
+                                 running("z", "c", 7), waiting("p", 2)]),
+                 [dict(to_workers=3, release=("j-3", "j-1"), room_for=(("p", "a"),))],
+                 id="frees-gpus-on-the-node-where-the-pod-fits"),
+    pytest.param(cluster({"a": 8, "b": 8}, job("j", on="baaaaa"),
+                         others=[running("x", "a", 3), running("y", "b", 7), waiting("p", 2)]),
+                 [dict(from_workers=6, to_workers=4, release=("j-5", "j-4"))],
+                 id="partial-scale-down"),
+    pytest.param(cluster({"a": 8, "b": 8},
+                         job("j", on="baaaab", max_workers=6, tps={1: 100, 2: 190, 4: 340, 6: 450}),
+                         others=[running("x", "a", 4), running("y", "b", 6), waiting("p", 1)]),
+                 [dict(to_workers=4, release=("j-4", "j-3"))],
+                 id="to-a-kept-row"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa", min_workers=2),
+                         others=[running("x", "a", 6), waiting("p", 1)]), [],
+                 id="never-below-min"),
+    pytest.param(cluster({"a": 8}, raised_min(job("j", on="aaa"), 2),
+                         others=[running("x", "a", 5), waiting("p", 2)]), [],
+                 id="never-below-min-where-the-table-goes-lower"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa"),
+                         others=[running("x", "a", 6), waiting("p", 2)]), [],
+                 id="leader-never-released"),
+    pytest.param(cluster({"a": 8}, job("j", on="aa"),
+                         others=[running("x", "a", 6), waiting("p", 1)]),
+                 [dict(to_workers=1, release=("j-1",))], id="the-leader-stays"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaa", busy=True),
+                         others=[running("x", "a", 5), waiting("p", 1)]), [],
+                 id="busy-job-not-touched"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaa", enabled=False),
+                         others=[running("x", "a", 5), waiting("p", 1)]), [],
+                 id="disabled-job-not-touched"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaa", last_scale_time=NOW - 1),
+                         others=[running("x", "a", 5), waiting("p", 1)]),
+                 [dict(to_workers=2)], id="cooldown-does-not-block-scale-down"),
+    pytest.param(cluster({"a": 8}, job("x", on="aa", busy=True, releasing=("x-1",)),
+                         job("y", on="aaa"), others=[running("z", "a", 3), waiting("p", 1)]), [],
+                 id="gpus-being-drained-count-as-free"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaa"),
+                         others=[running("x", "a", 4), waiting("p", 1)]), [],
+                 id="a-pod-that-fits-needs-nothing"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaa"),
+                         others=[running("x", "a", 4), waiting("p", 1), waiting("q", 1, 1.0)]),
+                 [dict(to_workers=2, release=("j-2",), room_for=(("q", "a"),))],
+                 id="a-pod-that-fits-keeps-its-gpus"),
+    pytest.param(cluster({"a": 8, "b": 8}, job("j", on="ba"),
+                         others=[running("x", "a", 7), running("y", "b", 7),
+                                 waiting("new", 1, 5.0), waiting("old", 1, 1.0)]),
+                 [dict(release=("j-1",), room_for=(("old", "a"),))], id="oldest-pod-first"),
+    pytest.param(cluster({"a": 8, "b": 8}, job("j", on="baaa", max_workers=4, tps=LEAN),
+                         job("k", on="baaa", max_workers=4, tps=WIDE),
+                         others=[running("x", "a", 2), running("y", "b", 6), waiting("p", 4)]),
+                 [dict(job="j", to_workers=2, release=("j-3", "j-2"), room_for=(("p", "a"),)),
+                  dict(job="k", to_workers=2, release=("k-3", "k-2"), room_for=(("p", "a"),))],
+                 id="two-jobs-make-room-for-one-pod"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaaa"),
+                         others=[running("x", "a", 3), waiting("p", 1), waiting("q", 1, 1.0),
+                                 waiting("r", 1, 2.0)]),
+                 [dict(from_workers=4, to_workers=2, release=("j-3", "j-2"),
+                       room_for=(("q", "a"), ("r", "a")))],
+                 id="one-decision-per-job"),
+]
+
+
+@pytest.mark.parametrize(("snapshot", "expected"), SCALE_DOWN)
+def test_scale_down(snapshot, expected):
+    check(decide(snapshot, NOW), expected)
+
+
+def check(decisions: tuple[Decision, ...], expected: list[dict]) -> None:
+    assert len(decisions) == len(expected), decisions
+    for decision, fields in zip(decisions, expected):
+        for name, value in fields.items():
+            assert getattr(decision, name) == value, (name, decision)
+        assert "tokens/s" in decision.message and "\n" not in decision.message
+
+
+def test_messages_give_the_numbers():
+    (up,) = decide(cluster({"a": 8}, job("j", on="aa", switch_seconds=12),
+                           arrivals=recent(2, window=28800)), NOW)
+    assert up.message == ("6 GPUs idle and no GPU pod pending: 2 new workers on a x2, +86.6% "
+                          "tokens/s; P(idle window outlasts 24 s of switching) = 1.00 > 0.60 "
+                          "at 0.25 arrivals/h")
+    (down,) = decide(cluster({"a": 8}, job("j", on="aaaaaa"),
+                             others=[running("x", "a", 2), waiting("p", 2)]), NOW)
+    assert down.message == ("pending GPU pods: releasing j-5, j-4 to make room for p (2 GPUs) "
+                            "on a, -30.6% tokens/s")
+
+
+# Random clusters: a few nodes, jobs and pods, so that contention is common.
+
+@st.composite
+def clusters(draw):
+    names = [f"n{i}" for i in range(draw(st.integers(1, 4)))]
+    capacity = {name: draw(st.sampled_from([1, 2, 4, 4, 8, 8])) for name in names}
+    free = dict(capacity)
+    pods, jobs = [], []
+    for j in range(draw(st.integers(1, 3))):
+        key = f"ns/job-{j}"
+        lo = draw(st.integers(1, 3))
+        hi = draw(st.integers(lo, lo + 5))
+        gpw = draw(st.sampled_from([1, 1, 2]))
+        members = []
+        for rank in range(draw(st.integers(lo, hi))):
+            node = draw(st.sampled_from(names))
+            if free[node] >= gpw:
+                free[node] -= gpw
+                members.append(f"{key}-{rank}")
+                pods.append(Pod(members[-1], gpw, node, "Running", key))
+        low = max(1, lo - draw(st.integers(0, 1)))  # a table from before min was raised
+        kept = sorted({low} | draw(st.sets(st.integers(low, hi))))
+        steps = draw(st.lists(st.floats(0.0, 1.0), min_size=len(kept), max_size=len(kept)))
+        busy = draw(st.booleans()) and draw(st.booleans())
+        jobs.append(ElasticJob(
+            key=key, min_workers=lo, max_workers=hi, workers=len(members), gpus_per_worker=gpw,
+            max_scale_factor=draw(st.sampled_from([4, 2, 1])), members=tuple(members), busy=busy,
+            releasing=tuple(m for m in members[1:] if busy and draw(st.booleans())),
+            scale_table=scale_table(key, {w: 100 + 100 * sum(steps[: i + 1])
+                                          for i, w in enumerate(kept)}, low, hi, gpw),
+            enabled=draw(st.sampled_from([True] * 9 + [False])),
+            min_gain=draw(st.sampled_from([0.0, 0.05, 0.3])),
+            probability_threshold=draw(st.sampled_from([0.0, 0.6, 0.95])),
+            last_scale_time=draw(st.sampled_from([None, NOW - 3600, NOW - 10])),
+            switch_seconds=draw(st.sampled_from([0.0, 30.0, 600.0])),
+        ))
+    tight = draw(st.booleans())  # other work fills what the jobs left, and pods wait
+    for i, node in enumerate(names):
+        gpus = draw(st.integers(0, free[node]))
+        gpus = free[node] - gpus if tight else gpus
+        if gpus:
+            phase = draw(st.sampled_from(["Running", "Running", "Pending", "Succeeded"]))
+            pods.append(Pod(f"other/run-{i}", gpus, node, phase, created=NOW - 100))
+    for i in range(draw(st.integers(1, 3) if tight else st.sampled_from([0, 0, 0, 1]))):
+        pods.append(waiting(f"other/wait-{i}", draw(st.integers(1, 4)),
+                            draw(st.sampled_from([NOW - 50.0, NOW - 5.0]))))
+    arrivals = draw(st.lists(st.floats(NOW - 10 * HOUR, NOW), max_size=20))
+    return Snapshot(tuple(Node(n, capacity[n]) for n in names), tuple(pods), tuple(jobs),
+                    tuple(arrivals))
+
+
+def holding(snapshot) -> dict[str, int]:
+    """GPUs each node's unfinished bound pods hold, counted from scratch."""
+    held = Counter()
+    for pod in snapshot.pods:
+        if pod.node is not None and pod.phase not in ("Succeeded", "Failed"):
+            held[pod.node] += pod.gpus
+    return held
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters(), st.randoms(use_true_random=False))
+def test_invariants_on_random_clusters(snapshot, shuffler):
+    decisions = decide(snapshot, NOW)
+    jobs = {j.key: j for j in snapshot.jobs}
+    pods = {p.key: p for p in snapshot.pods}
+    capacity = {n.name: n.gpus for n in snapshot.nodes}
+    pending = [p for p in snapshot.pods if p.node is None and p.job is None]
+    assert len({d.job for d in decisions}) == len(decisions), "one decision per job"
+    for d in decisions:
+        job = jobs[d.job]
+        assert job.enabled and not job.busy
+        assert job.scale_table.row(d.to_workers) is not None, "a kept row"
+        if d.kind == "scale_up":
+            assert not pending, "never scale up while a GPU pod is pending"
+            assert d.from_workers < d.to_workers <= job.cap
+            assert len(d.nodes) == d.to_workers - d.from_workers and not d.release
+            assert d.gain >= job.min_gain and d.probability > job.probability_threshold
+        else:
+            assert job.min_workers <= d.to_workers < d.from_workers
+            assert len(set(d.release)) == len(d.release) == d.from_workers - d.to_workers
+            assert set(d.release) <= set(job.members[1:]), "the job's pods, never its leader"
+            assert d.room_for and not d.nodes
+    # Scale-ups fit the idle GPUs.
+    held = holding(snapshot)
+    for d in decisions:
+        for node in d.nodes:
+            held[node] += jobs[d.job].gpus_per_worker
+    assert all(held[node] <= capacity[node] for d in decisions for node in d.nodes)
+    # Each pod given room fits, on its node, once the releases (decided and draining) are done.
+    held = holding(snapshot)
+    for key in [k for j in snapshot.jobs for k in j.releasing] + [
+            k for d in decisions for k in d.release]:
+        held[pods[key].node] -= pods[key].gpus
+    placed = {}
+    for d in decisions:
+        for key, node in d.room_for:
+            assert placed.setdefault(key, node) == node, "one node per pending pod"
+    for key, node in placed.items():
+        held[node] += pods[key].gpus
+    assert all(held[node] <= capacity[node] for node in set(placed.values()))
+    # The order of the records does not matter.
+    shuffled = Snapshot(*(tuple(shuffler.sample(list(xs), len(xs))) for xs in (
+        snapshot.nodes, snapshot.pods, snapshot.jobs, snapshot.arrivals)), snapshot.window_seconds)
+    assert decide(shuffled, NOW) == decisions
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters())
+def test_a_lone_pending_pod_gets_room_where_it_can(snapshot):
+    """One pending pod that does not fit: if one job alone can free enough GPUs on one node
+    (down to its smallest kept row at or above its minimum, keeping its leader), the policy
+    makes room; if all the jobs on every node together cannot, it makes none."""
+    pending = [p for p in snapshot.pods if p.node is None and p.job is None]
+    if len(pending) != 1:
+        return
+    (pod,) = pending
+    capacity = {n.name: n.gpus for n in snapshot.nodes}
+    held = holding(snapshot)
+    bound = {p.key: p for p in snapshot.pods if p.node and p.phase not in ("Succeeded", "Failed")}
+    for key in (k for j in snapshot.jobs for k in j.releasing):
+        held[bound[key].node] -= bound[key].gpus
+    decisions = decide(snapshot, NOW)
+    if any(capacity[n] - held[n] >= pod.gpus for n in capacity):
+        assert decisions == ()
+        return
+    alone, together = set(), Counter()  # nodes one job can clear; GPUs all jobs can free
+    for job in snapshot.jobs:
+        rows = [r.workers for r in job.scale_table.rows
+                if job.min_workers <= r.workers < job.workers]
+        if not job.enabled or job.busy or not rows or any(m not in bound for m in job.members):
+            continue
+        for node, count in Counter(bound[m].node for m in job.members[1:]).items():
+            freeable = min(count, job.workers - rows[0]) * job.gpus_per_worker
+            together[node] += freeable
+            if capacity[node] - held[node] + freeable >= pod.gpus:
+                alone.add(node)
+    possible = any(capacity[n] - held[n] + together[n] >= pod.gpus for n in capacity)
+    if alone:
+        assert decisions and all(d.room_for == ((pod.key, d.room_for[0][1]),) for d in decisions)
+    if not possible:
+        assert decisions == ()
+
+
+def test_bench_snapshot_decides():
+    for scenario in ("scale_up", "scale_down"):
+        snapshot = bench.build_snapshot(scenario, seed=3, **bench.TINY)
+        assert len(snapshot.nodes) == bench.TINY["nodes"]
+        assert len(snapshot.pods) == bench.TINY["pods"]
+        decisions = decide(snapshot, bench.NOW)
+        kinds = {d.kind for d in decisions}
+        assert kinds <= {scenario}
+        assert decisions == decide(bench.build_snapshot(scenario, seed=3, **bench.TINY), bench.NOW)
+    full = bench.plain_cluster("scale_down", **bench.FULL)
+    assert len(full["pods"]) == 5000 and len(full["jobs"]) == 200
+    assert sum(p[2] is None for p in full["pods"]) == 100
