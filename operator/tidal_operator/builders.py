@@ -1,0 +1,132 @@
+"""The Kubernetes objects the operator creates for a job: worker pods and a headless Service.
+
+Pure functions from (job, worker index, generation) to manifests, so that the names are
+deterministic: a restarted operator that re-creates a pod it already made gets a conflict,
+never a duplicate. Worker ``<job>-worker-0`` is the stable leader; it serves the rendezvous
+store on ``<job>-worker-0.<job>.<namespace>.svc`` through the headless Service.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidal_api import API_VERSION, KIND, ElasticTrainingJob, keys
+
+WORKER_SERVICE_ACCOUNT = "tidal-worker"
+AGENT_CONTAINER = "agent"
+
+
+def worker_name(job: str, index: int) -> str:
+    return f"{job}-worker-{index}"
+
+
+def worker_index(pod_name: str) -> int:
+    """``tiny-worker-3`` -> 3."""
+    return int(pod_name.rsplit("-", 1)[1])
+
+
+def owner_reference(job: ElasticTrainingJob, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job.metadata.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def job_labels(name: str) -> dict[str, str]:
+    return {keys.JOB_LABEL: name, keys.ROLE_LABEL: "worker", keys.MANAGED_BY: "tidal"}
+
+
+def rendezvous_host(name: str, namespace: str) -> str:
+    return f"{worker_name(name, 0)}.{name}.{namespace}.svc"
+
+
+def worker_pod(
+    job: ElasticTrainingJob, *, uid: str, index: int, generation: int,
+    gpu_resource: str = "nvidia.com/gpu",
+) -> dict[str, Any]:
+    """The pod of worker ``index``, created for ``generation``."""
+    name, namespace = job.metadata.name, job.metadata.namespace or "default"
+    spec = job.spec
+    template = spec.template
+    pod_name = worker_name(name, index)
+    resources = template.resources.model_dump(by_alias=True, exclude_none=True)
+    limits = dict(resources.get("limits") or {})
+    limits[gpu_resource] = spec.gpus_per_worker
+    resources["limits"] = limits
+    env = [
+        {"name": keys.ENV_JOB, "value": name},
+        {"name": keys.ENV_NAMESPACE, "value": namespace},
+        {"name": keys.ENV_POD, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": keys.ENV_RENDEZVOUS_HOST, "value": rendezvous_host(name, namespace)},
+        {"name": keys.ENV_RENDEZVOUS_PORT, "value": str(keys.RENDEZVOUS_PORT)},
+        *template.env,
+    ]
+    container: dict[str, Any] = {
+        "name": AGENT_CONTAINER,
+        "image": template.image,
+        "imagePullPolicy": template.image_pull_policy,
+        "command": ["tidal", "agent"],
+        "env": env,
+        "ports": [{"name": "rendezvous", "containerPort": keys.RENDEZVOUS_PORT}],
+        "resources": resources,
+    }
+    if template.volume_mounts:
+        container["volumeMounts"] = list(template.volume_mounts)
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # a worker that exits has left the job; the agent decides
+        "priorityClassName": keys.ELASTIC_PRIORITY_CLASS,
+        "serviceAccountName": WORKER_SERVICE_ACCOUNT,
+        "hostname": pod_name,
+        "subdomain": name,  # with the headless Service: <pod>.<job>.<ns>.svc
+        "containers": [container],
+    }
+    if template.node_selector:
+        pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.tolerations:
+        pod_spec["tolerations"] = list(template.tolerations)
+    if template.volumes:
+        pod_spec["volumes"] = list(template.volumes)
+    labels = {
+        **template.labels,
+        **job_labels(name),
+        keys.WORKER_LABEL: str(index),
+        keys.GENERATION_LABEL: str(generation),
+        keys.ELASTIC_LABEL: "true",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name,
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": dict(template.annotations),
+            "ownerReferences": [owner_reference(job, uid)],
+        },
+        "spec": pod_spec,
+    }
+
+
+def headless_service(job: ElasticTrainingJob, *, uid: str) -> dict[str, Any]:
+    """DNS names for the workers; only the leader's rendezvous port is used."""
+    name, namespace = job.metadata.name, job.metadata.namespace or "default"
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": job_labels(name),
+            "ownerReferences": [owner_reference(job, uid)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # joiners resolve the leader before they are ready
+            "selector": {keys.JOB_LABEL: name, keys.ROLE_LABEL: "worker"},
+            "ports": [{"name": "rendezvous", "port": keys.RENDEZVOUS_PORT}],
+        },
+    }

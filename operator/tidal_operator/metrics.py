@@ -1,0 +1,52 @@
+"""The operator's Prometheus metrics (DESIGN.md section 5), all under the ``tidal_`` namespace.
+
+One registry per Metrics object rather than the process-global default, so that tests and an
+embedded operator can have several without clashing names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+DECISION_KINDS = ("scale_up", "scale_down", "drain_deadline", "invalid")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        common = {"namespace": "tidal", "registry": self.registry}
+        self.idle_gpus = Gauge("idle_gpus", "GPUs allocatable on nodes and held by no pod.", **common)
+        self.gpus = Gauge("gpus", "GPUs allocatable on all nodes.", **common)
+        self.pending_gpu_demand = Gauge(
+            "pending_gpu_demand", "GPUs requested by pending non-elastic pods.", **common
+        )
+        self.pending_pods = Gauge("pending_gpu_pods", "Pending non-elastic GPU pods.", **common)
+        self.arrival_rate = Gauge(
+            "arrival_rate_per_hour",
+            "Non-elastic GPU pod arrivals per hour, estimated over the arrival window.", **common
+        )
+        self.decisions = Counter(
+            "decisions", "Scale decisions taken, by kind.", ["kind"], **common
+        )
+        for kind in DECISION_KINDS:
+            self.decisions.labels(kind=kind)
+        self.decision_seconds = Histogram(
+            "decision_seconds", "Seconds to build a snapshot and decide.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), **common
+        )
+        labels = ["namespace", "job"]
+        self.job_workers = Gauge("job_workers", "Workers of the applied generation.", labels, **common)
+        self.job_target_workers = Gauge(
+            "job_target_workers", "Workers the operator asks for.", labels, **common
+        )
+        self.job_generation = Gauge("job_generation", "Applied generation.", labels, **common)
+
+    def forget_job(self, namespace: str, job: str) -> None:
+        for gauge in (self.job_workers, self.job_target_workers, self.job_generation):
+            try:
+                gauge.remove(namespace, job)
+            except KeyError:
+                pass
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
