@@ -1,0 +1,455 @@
+"""What the API server does to a custom resource with its CRD's structural schema.
+
+In order: prune the fields the schema does not know (and nulls of non-nullable fields), apply
+the schema's defaults, then validate (types, enums, bounds, patterns, required fields) and run
+the ``x-kubernetes-validations`` CEL rules. The emulator does this on every write of a custom
+resource, so a field missing from the CRD vanishes and an invalid spec is refused with 422, as
+in a real cluster. Tests may use it to check manifests against the CRD.
+
+CEL: a subset is evaluated (field access, ``has``, ``size``, ``string``/``int``/``double``,
+arithmetic, comparisons, ``in``, ``&&``/``||``/``!``, ``?:``, list literals and the
+``all``/``exists`` macros). A rule outside it, or one that reads ``oldSelf``, is not checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+Schema = Mapping[str, Any]
+
+_ROOT_FIELDS = ("apiVersion", "kind", "metadata")
+
+
+def prepare(schema: Schema, obj: dict[str, Any]) -> list[str]:
+    """Prune, default and validate ``obj`` in place; returns the errors (empty if valid).
+
+    ``apiVersion``, ``kind`` and ``metadata`` are left alone: the server owns them.
+    """
+    root = {key: obj.pop(key) for key in _ROOT_FIELDS if key in obj}
+    body = _default(schema, _prune(schema, obj))
+    obj.clear()
+    obj.update(root)
+    obj.update(body)
+    errors: list[str] = []
+    _validate(schema, {k: v for k, v in obj.items() if k not in _ROOT_FIELDS}, "", errors)
+    return errors
+
+
+def _preserves(schema: Schema) -> bool:
+    return bool(schema.get("x-kubernetes-preserve-unknown-fields")) or bool(
+        schema.get("x-kubernetes-int-or-string")
+    )
+
+
+def _prune(schema: Schema, value: Any) -> Any:
+    if isinstance(value, dict):
+        props: Mapping[str, Schema] = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        out = {}
+        for key, item in value.items():
+            sub = props.get(key) if key in props else extra if isinstance(extra, Mapping) else None
+            if item is None and not (sub or {}).get("nullable"):
+                continue  # the server drops nulls of non-nullable fields before defaulting
+            if sub is not None:
+                out[key] = _prune(sub, item)
+            elif _preserves(schema) or extra is True:
+                out[key] = item
+        return out
+    if isinstance(value, list) and "items" in schema:
+        return [_prune(schema["items"], item) for item in value]
+    return value
+
+
+def _default(schema: Schema, value: Any) -> Any:
+    if isinstance(value, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = _default(sub, value[key])
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, Mapping):
+            for key in set(value) - set(schema.get("properties", {})):
+                value[key] = _default(extra, value[key])
+    elif isinstance(value, list) and "items" in schema:
+        return [_default(schema["items"], item) for item in value]
+    return value
+
+
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+}
+
+
+def _validate(schema: Schema, value: Any, path: str, errors: list[str]) -> None:
+    where = path or "<root>"
+    if value is None:
+        return  # only nullable nulls survive pruning
+    kind = schema.get("type")
+    if schema.get("x-kubernetes-int-or-string"):
+        if not (_TYPES["integer"](value) or isinstance(value, str)):
+            errors.append(f"{where}: Invalid value: must be an integer or a string")
+            return
+    elif kind in _TYPES and not _TYPES[kind](value):
+        errors.append(f"{where}: Invalid value: {value!r}: must be of type {kind}")
+        return
+    before = len(errors)
+    _check_bounds(schema, value, where, errors)
+    if isinstance(value, dict):
+        for key in schema.get("required", ()):
+            if key not in value:
+                errors.append(f"{_join(path, key)}: Required value")
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = props.get(key) or (extra if isinstance(extra, Mapping) else None)
+            if sub is not None:
+                _validate(sub, item, _join(path, key), errors)
+    elif isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            _validate(schema["items"], item, f"{path}[{index}]", errors)
+    for sub in schema.get("allOf", ()):
+        _validate(sub, value, path, errors)
+    if len(errors) == before:  # CEL rules see only values that passed the schema
+        _check_rules(schema, value, where, errors)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _check_bounds(schema: Schema, value: Any, where: str, errors: list[str]) -> None:
+    def fail(why: str) -> None:
+        errors.append(f"{where}: Invalid value: {value!r}: {why}")
+
+    if "enum" in schema and value not in schema["enum"]:
+        fail(f"supported values: {', '.join(map(repr, schema['enum']))}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if low is not None and (value <= low if schema.get("exclusiveMinimum") else value < low):
+            fail(f"should be greater than {'' if schema.get('exclusiveMinimum') else 'or equal to '}{low}")
+        if high is not None and (value >= high if schema.get("exclusiveMaximum") else value > high):
+            fail(f"should be less than {'' if schema.get('exclusiveMaximum') else 'or equal to '}{high}")
+    sized = {str: ("Length", "characters"), list: ("Items", "items"), dict: ("Properties", "properties")}
+    for typ, (suffix, unit) in sized.items():
+        if isinstance(value, typ):
+            if len(value) < schema.get(f"min{suffix}", 0):
+                fail(f"should have at least {schema[f'min{suffix}']} {unit}")
+            if f"max{suffix}" in schema and len(value) > schema[f"max{suffix}"]:
+                fail(f"may have at most {schema[f'max{suffix}']} {unit}")
+    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+        fail(f"should match {schema['pattern']!r}")
+
+
+def _check_rules(schema: Schema, value: Any, where: str, errors: list[str]) -> None:
+    for rule in schema.get("x-kubernetes-validations", ()):
+        try:
+            check = compile_cel(rule["rule"])
+        except CelUnsupported:
+            continue
+        try:
+            ok = check({"self": value}) is True
+        except CelError as exc:
+            errors.append(f"{where}: Invalid value: {exc} evaluating rule: {rule['rule']}")
+            continue
+        if not ok:
+            field = rule.get("fieldPath", "").lstrip(".")
+            at = _join(where, field) if field else where
+            errors.append(f"{at}: Invalid value: {_rule_message(rule, value)}")
+
+
+def _rule_message(rule: Mapping[str, Any], value: Any) -> str:
+    if "messageExpression" in rule:
+        try:
+            message = compile_cel(rule["messageExpression"])({"self": value})
+            if isinstance(message, str) and message:
+                return message
+        except (CelUnsupported, CelError):
+            pass
+    return rule.get("message") or f"failed rule: {rule['rule']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A CEL subset: a recursive-descent parser that compiles an expression to a closure over an
+# environment ({"self": value}). No Python eval: the rule text comes from CRDs a client posts.
+
+
+class CelError(Exception):
+    """A rule that fails at evaluation time, e.g. a missing field ("no such key")."""
+
+
+class CelUnsupported(Exception):
+    """A rule outside the subset; the emulator then skips it."""
+
+
+Env = dict[str, Any]
+Expr = Callable[[Env], Any]
+
+_TOKEN = re.compile(
+    r"\s*(?:(?P<num>\d+\.\d+|\d+)|(?P<str>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
+    r"|(?P<op>&&|\|\||==|!=|<=|>=|[<>!+\-*/%().,\[\]?:])|(?P<id>[A-Za-z_][A-Za-z0-9_]*))"
+)
+_CACHE: dict[str, Expr] = {}
+
+
+def compile_cel(text: str) -> Expr:
+    """Compile a CEL expression of the subset; raises CelUnsupported outside it."""
+    if text not in _CACHE:
+        parser = _Parser(text)
+        expr = parser.ternary()
+        if parser.peek() is not None:
+            raise CelUnsupported(f"unexpected {parser.peek()!r} in {text!r}")
+        _CACHE[text] = expr
+    return _CACHE[text]
+
+
+def _tokens(text: str) -> Iterator[tuple[str, str]]:
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        match = _TOKEN.match(text, pos)
+        if match is None or match.end() == pos:
+            raise CelUnsupported(f"cannot read {text[pos:]!r}")
+        pos = match.end()
+        kind = match.lastgroup
+        assert kind is not None
+        yield kind, match.group(kind)
+
+
+class _Parser:
+    def __init__(self, text: str) -> None:
+        self.items = list(_tokens(text))
+        self.pos = 0
+
+    def peek(self) -> str | None:
+        return self.items[self.pos][1] if self.pos < len(self.items) else None
+
+    def take(self, expected: str | None = None) -> tuple[str, str]:
+        if self.pos >= len(self.items):
+            raise CelUnsupported("unexpected end")
+        item = self.items[self.pos]
+        if expected is not None and item[1] != expected:
+            raise CelUnsupported(f"expected {expected!r}, got {item[1]!r}")
+        self.pos += 1
+        return item
+
+    def ternary(self) -> Expr:
+        cond = self.binary(0)
+        if self.peek() != "?":
+            return cond
+        self.take("?")
+        then = self.ternary()
+        self.take(":")
+        other = self.ternary()
+        return lambda env: then(env) if _bool(cond(env)) else other(env)
+
+    _LEVELS: tuple[tuple[str, ...], ...] = (
+        ("||",), ("&&",), ("==", "!=", "<", "<=", ">", ">=", "in"), ("+", "-"), ("*", "/", "%"),
+    )
+
+    def binary(self, level: int) -> Expr:
+        if level == len(self._LEVELS):
+            return self.unary()
+        left = self.binary(level + 1)
+        while self.peek() in self._LEVELS[level]:
+            op = self.take()[1]
+            left = _binary(op, left, self.binary(level + 1))
+        return left
+
+    def unary(self) -> Expr:
+        if self.peek() == "!":
+            self.take()
+            inner = self.unary()
+            return lambda env: not _bool(inner(env))
+        if self.peek() == "-":
+            self.take()
+            inner = self.unary()
+            return lambda env: -inner(env)
+        return self.member()
+
+    def member(self) -> Expr:
+        expr = self.primary()
+        while self.peek() in (".", "["):
+            if self.take()[1] == "[":
+                index = self.ternary()
+                self.take("]")
+                expr = _index(expr, index)
+                continue
+            kind, name = self.take()
+            if kind != "id":
+                raise CelUnsupported(f"field name expected, got {name!r}")
+            if self.peek() == "(":
+                expr = self.method(expr, name)
+            else:
+                expr = _field(expr, name)
+        return expr
+
+    def method(self, target: Expr, name: str) -> Expr:
+        self.take("(")
+        if name in ("all", "exists"):
+            var = self.take()[1]
+            self.take(",")
+            pred = self.ternary()
+            self.take(")")
+            test = all if name == "all" else any
+            return lambda env: test(_bool(pred({**env, var: item})) for item in _iterable(target(env)))
+        args = self.arguments()
+        methods: dict[str, Callable[..., Any]] = {
+            "size": len,
+            "startsWith": str.startswith,
+            "endsWith": str.endswith,
+            "contains": lambda s, sub: sub in s,
+            "matches": lambda s, pattern: re.search(pattern, s) is not None,
+        }
+        if name not in methods:
+            raise CelUnsupported(f"method {name}()")
+        fn = methods[name]
+        return lambda env: fn(target(env), *(arg(env) for arg in args))
+
+    def arguments(self) -> list[Expr]:
+        args: list[Expr] = []
+        while self.peek() != ")":
+            args.append(self.ternary())
+            if self.peek() == ",":
+                self.take()
+        self.take(")")
+        return args
+
+    def primary(self) -> Expr:
+        kind, text = self.take()
+        if kind == "num":
+            number = float(text) if "." in text else int(text)
+            return lambda env: number
+        if kind == "str":
+            string = text[1:-1].encode().decode("unicode_escape")
+            return lambda env: string
+        if text == "(":
+            inner = self.ternary()
+            self.take(")")
+            return inner
+        if text == "[":
+            items: list[Expr] = []
+            while self.peek() != "]":
+                items.append(self.ternary())
+                if self.peek() == ",":
+                    self.take()
+            self.take("]")
+            return lambda env: [item(env) for item in items]
+        if kind != "id":
+            raise CelUnsupported(f"unexpected {text!r}")
+        constants = {"true": True, "false": False, "null": None}
+        if text in constants:
+            value = constants[text]
+            return lambda env: value
+        if self.peek() == "(":
+            return self.function(text)
+        if text == "oldSelf":
+            raise CelUnsupported("transition rules (oldSelf) are not checked")
+        return lambda env: _variable(env, text)
+
+    def function(self, name: str) -> Expr:
+        self.take("(")
+        if name == "has":
+            start = self.pos
+            target = self.member()
+            if not isinstance(getattr(target, "field", None), str):
+                raise CelUnsupported(f"has() needs a field, got {self.items[start:self.pos]}")
+            self.take(")")
+            parent, field = target.parent, target.field  # type: ignore[attr-defined]
+            return lambda env: isinstance(obj := parent(env), dict) and field in obj
+        args = self.arguments()
+        functions: dict[str, Callable[..., Any]] = {
+            "size": len, "string": _string, "int": int, "double": float,
+        }
+        if name not in functions or len(args) != 1:
+            raise CelUnsupported(f"function {name}()")
+        fn = functions[name]
+        return lambda env: fn(args[0](env))
+
+
+def _variable(env: Env, name: str) -> Any:
+    if name not in env:
+        raise CelError(f"undeclared reference to {name!r}")
+    return env[name]
+
+
+def _field(parent: Expr, name: str) -> Expr:
+    def get(env: Env) -> Any:
+        obj = parent(env)
+        if not isinstance(obj, dict) or name not in obj:
+            raise CelError(f"no such key: {name}")
+        return obj[name]
+
+    get.parent, get.field = parent, name  # type: ignore[attr-defined]  # for has()
+    return get
+
+
+def _index(target: Expr, index: Expr) -> Expr:
+    def get(env: Env) -> Any:
+        obj, key = target(env), index(env)
+        try:
+            return obj[key]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise CelError(f"no such key: {key!r}") from exc
+
+    return get
+
+
+def _iterable(value: Any) -> Any:
+    if not isinstance(value, list | dict):
+        raise CelError(f"cannot iterate over {type(value).__name__}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise CelError(f"no matching overload: expected bool, got {type(value).__name__}")
+    return value
+
+
+def _string(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _binary(op: str, left: Expr, right: Expr) -> Expr:
+    if op == "&&":
+        return lambda env: _bool(left(env)) and _bool(right(env))
+    if op == "||":
+        return lambda env: _bool(left(env)) or _bool(right(env))
+
+    def arith(a: Any, b: Any) -> Any:
+        if op == "/" and isinstance(a, int) and isinstance(b, int):
+            if b == 0:
+                raise CelError("division by zero")
+            return int(a / b)  # CEL truncates toward zero
+        if op == "%" and isinstance(a, int) and isinstance(b, int):
+            if b == 0:
+                raise CelError("modulus by zero")
+            return a - b * int(a / b)
+        return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b}[op]()
+
+    compare: dict[str, Callable[[Any, Any], Any]] = {
+        "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+        "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
+        ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+        "in": lambda a, b: a in b,
+    }
+    fn = compare.get(op, arith)
+
+    def apply(env: Env) -> Any:
+        try:
+            return fn(left(env), right(env))
+        except TypeError as exc:
+            raise CelError(f"no matching overload for {op!r}") from exc
+
+    return apply

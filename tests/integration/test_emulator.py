@@ -1,0 +1,571 @@
+"""The Kubernetes API emulator over real HTTP: the semantics a real API server has and kmock
+alone lacks, then real clients (lightkube, a kopf operator) and the local scheduler and kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import pytest
+import pytest_asyncio
+import yaml
+
+from tidal_operator.emulator import Emulator, label_selector, merge_patch, serve, strategic_merge_patch
+
+ROOT = Path(__file__).resolve().parents[2]
+ETJ = "/apis/tidal.dev/v1alpha1/namespaces/default/elastictrainingjobs"
+PODS = "/api/v1/namespaces/default/pods"
+MERGE = "application/merge-patch+json"
+
+CRD: dict[str, Any] = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "elastictrainingjobs.tidal.dev"},
+    "spec": {
+        "group": "tidal.dev", "scope": "Namespaced",
+        "names": {"plural": "elastictrainingjobs", "singular": "elastictrainingjob",
+                  "kind": "ElasticTrainingJob", "shortNames": ["etj"]},
+        "versions": [{
+            "name": "v1alpha1", "served": True, "storage": True, "subresources": {"status": {}},
+            "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                "spec": {"type": "object", "properties": {
+                    "workers": {
+                        "type": "object", "default": {},  # so that its fields' defaults apply
+                        "properties": {"min": {"type": "integer", "minimum": 1, "default": 2},
+                                       "max": {"type": "integer", "default": 8}},
+                        "x-kubernetes-validations": [{
+                            "rule": "self.min <= self.max", "message": "min must not exceed max",
+                            "messageExpression": "'min (' + string(self.min) + ') > max (' + string(self.max) + ')'"}],
+                    },
+                    "image": {"type": "string"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                }},
+                "status": {"type": "object", "properties": {
+                    "phase": {"type": "string", "enum": ["Pending", "Running"]},
+                    "workers": {"type": "integer"},
+                    "notes": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                }},
+            }}},
+        }],
+    },
+}
+
+
+def job(name: str = "j1", **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
+            "metadata": {"name": name}, "spec": spec}
+
+
+def pod(name: str = "p1", gpus: int = 0, **meta: Any) -> dict[str, Any]:
+    resources = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **meta},
+            "spec": {"containers": [{"name": "main", "image": "busybox", "resources": resources}]}}
+
+
+class Api:
+    """A raw HTTP client: what is on the wire is what is tested."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+
+    async def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                   expect: int | None = None) -> Any:
+        data = None if body is None else json.dumps(body)
+        async with self.session.request(method, path, data=data, headers={"Content-Type": content_type}) as rsp:
+            payload = await rsp.json()
+        if expect is not None:
+            assert rsp.status == expect, payload
+        return payload
+
+    async def create(self, path: str, body: Any, expect: int = 201) -> Any:
+        return await self.call("POST", path, body, expect=expect)
+
+    async def get(self, path: str, expect: int = 200) -> Any:
+        return await self.call("GET", path, expect=expect)
+
+    async def patch(self, path: str, body: Any, content_type: str = MERGE, expect: int = 200) -> Any:
+        return await self.call("PATCH", path, body, content_type, expect=expect)
+
+    async def delete(self, path: str, body: Any = None, expect: int = 200) -> Any:
+        return await self.call("DELETE", path, body, expect=expect)
+
+    async def watch(self, path: str, **params: str) -> list[dict[str, Any]]:
+        """The events of a watch that ends by its server-side timeout."""
+        query = {"watch": "true", "timeoutSeconds": "1", **params}
+        async with self.session.get(path, params=query) as rsp:
+            assert rsp.status == 200
+            return [json.loads(line) async for line in rsp.content if line.strip()]
+
+
+@pytest_asyncio.fixture
+async def served():
+    async with serve() as running:
+        yield running
+    assert not running.emulator.failures, running.emulator.failures
+
+
+@pytest_asyncio.fixture
+async def api(served):
+    async with aiohttp.ClientSession(served.url) as session:
+        yield Api(session)
+
+
+@pytest_asyncio.fixture
+async def crd(api):
+    await api.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", CRD)
+
+
+# -- stamping, subresources, patches, conflicts -------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_writes_stamp_metadata_and_count_generations(api, crd):
+    created = await api.create(ETJ, job(image="a"))
+    meta = created["metadata"]
+    assert re.fullmatch(r"[0-9a-f-]{36}", meta["uid"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["creationTimestamp"])
+    assert (meta["namespace"], meta["generation"]) == ("default", 1)
+    assert created["spec"]["workers"] == {"min": 2, "max": 8}  # the schema's defaults
+
+    relabelled = await api.patch(f"{ETJ}/j1", {"metadata": {"labels": {"team": "a"}}})
+    assert int(relabelled["metadata"]["resourceVersion"]) > int(meta["resourceVersion"])
+    assert relabelled["metadata"]["generation"] == 1  # metadata is not the spec
+    respecced = await api.patch(f"{ETJ}/j1", {"spec": {"image": "b"}})
+    assert respecced["metadata"]["generation"] == 2
+    assert (respecced["metadata"]["uid"], respecced["metadata"]["creationTimestamp"]) == (
+        meta["uid"], meta["creationTimestamp"])
+    again = await api.patch(f"{ETJ}/j1", {"spec": {"image": "b"}})
+    assert again["metadata"]["resourceVersion"] == respecced["metadata"]["resourceVersion"]  # no-op
+
+    generated = await api.create(PODS, pod(name="", generateName="worker-"))
+    assert re.fullmatch(r"worker-[a-z0-9]{5}", generated["metadata"]["name"])
+    assert generated["status"]["phase"] == "Pending"
+
+
+@pytest.mark.asyncio
+async def test_status_subresource_separates_status_from_the_rest(api, crd):
+    created = await api.create(ETJ, {**job(), "status": {"phase": "Running"}})
+    assert "status" not in created  # a create does not write status
+    await api.patch(f"{ETJ}/j1/status", {"status": {"phase": "Pending", "workers": 2}, "spec": {"image": "x"}})
+    await api.patch(f"{ETJ}/j1", {"status": {"phase": "Running"}, "spec": {"image": "y"}})
+    stored = await api.get(f"{ETJ}/j1")
+    assert stored["status"] == {"phase": "Pending", "workers": 2}
+    assert stored["spec"]["image"] == "y"
+    assert stored["metadata"]["generation"] == 2  # only the spec patch counted
+
+    stored["status"]["workers"] = 3
+    stored["spec"]["image"] = "z"
+    replaced = await api.call("PUT", f"{ETJ}/j1/status", stored, expect=200)
+    assert (replaced["status"]["workers"], replaced["spec"]["image"]) == (3, "y")
+
+
+@pytest.mark.asyncio
+async def test_merge_patch_deletes_with_null_and_replaces_lists(api, crd):
+    await api.create(ETJ, job(image="a", tags=["x", "y"]))
+    await api.patch(f"{ETJ}/j1/status", {"status": {"notes": {"a": 1, "b": {"c": 2, "d": 3}}}})
+    patched = await api.patch(f"{ETJ}/j1/status", {"status": {"notes": {"a": None, "b": {"c": None}}}})
+    assert patched["status"]["notes"] == {"b": {"d": 3}}
+    patched = await api.patch(f"{ETJ}/j1", {"spec": {"tags": ["z"], "image": None}})
+    assert patched["spec"] == {"workers": {"min": 2, "max": 8}, "tags": ["z"]}
+    assert merge_patch({"a": [1, 2], "b": 1}, {"a": [3], "b": None, "c": {"d": None}}) == {"a": [3], "c": {}}
+
+
+@pytest.mark.asyncio
+async def test_json_patch_test_op_and_patch_types(api, crd):
+    created = await api.create(ETJ, job(image="a"))
+    rv = created["metadata"]["resourceVersion"]
+    ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+           {"op": "add", "path": "/metadata/finalizers", "value": ["tidal.dev/x"]}]
+    patched = await api.patch(f"{ETJ}/j1", ops, "application/json-patch+json")
+    assert patched["metadata"]["finalizers"] == ["tidal.dev/x"]
+    failed = await api.patch(f"{ETJ}/j1", ops, "application/json-patch+json", expect=422)
+    assert failed["reason"] == "Invalid"  # kopf retries on 422 when its resourceVersion test fails
+    refused = await api.patch(f"{ETJ}/j1", {"spec": {}}, "application/strategic-merge-patch+json", expect=415)
+    assert refused["reason"] == "UnsupportedMediaType"  # as for any custom resource
+
+
+def test_strategic_merge_patch_merges_lists_by_key():
+    spec = {"containers": [{"name": "a", "image": "1"}, {"name": "b", "image": "1"}], "tolerations": [{"key": "x"}]}
+    patch = {"containers": [{"name": "b", "image": "2"}, {"name": "c", "image": "3"}], "tolerations": [{"key": "y"}]}
+    assert strategic_merge_patch(spec, patch) == {
+        "containers": [{"name": "a", "image": "1"}, {"name": "b", "image": "2"}, {"name": "c", "image": "3"}],
+        "tolerations": [{"key": "y"}]}
+    removed = strategic_merge_patch(spec, {"containers": [{"name": "a", "$patch": "delete"}]})
+    assert [c["name"] for c in removed["containers"]] == ["b"]
+    meta = strategic_merge_patch({"finalizers": ["a"]}, {"finalizers": ["b"], "$deleteFromPrimitiveList/finalizers": ["a"]})
+    assert meta == {"finalizers": ["b"]}
+
+
+@pytest.mark.asyncio
+async def test_stale_resource_version_is_a_conflict(api, crd):
+    created = await api.create(ETJ, job())
+    await api.patch(f"{ETJ}/j1", {"spec": {"image": "new"}})
+    stale = {**created, "spec": {**created["spec"], "image": "old"}}
+    conflict = await api.call("PUT", f"{ETJ}/j1", stale, expect=409)
+    assert conflict["reason"] == "Conflict"
+    await api.patch(f"{ETJ}/j1", {"metadata": {"resourceVersion": created["metadata"]["resourceVersion"]},
+                                  "spec": {"image": "old"}}, expect=409)
+    current = await api.get(f"{ETJ}/j1")
+    current["spec"]["image"] = "newer"
+    assert (await api.call("PUT", f"{ETJ}/j1", current, expect=200))["spec"]["image"] == "newer"
+    await api.create(ETJ, job(), expect=409)  # AlreadyExists
+
+
+# -- selectors and watches ------------------------------------------------------------------------
+
+
+def test_label_selector_grammar():
+    labels = {"app": "w", "tier": "gpu"}
+    cases = {"app=w": True, "app==w": True, "app!=w": False, "app": True, "!app": False, "!zone": True,
+             "tier in (gpu, cpu)": True, "tier notin (gpu)": False, "app=w,tier in (cpu)": False, "": True}
+    assert {text: label_selector(text)(labels) for text in cases} == cases
+    with pytest.raises(kmock.KubernetesError):
+        label_selector("app===w")
+
+
+@pytest.mark.asyncio
+async def test_list_filters_by_labels_and_fields(api):
+    await api.create(PODS, pod("a", labels={"role": "worker", "job": "x"}))
+    await api.create(PODS, pod("b", labels={"role": "worker", "job": "y"}))
+    await api.create(PODS, pod("c"))
+    await api.call("POST", f"{PODS}/b/binding", {"target": {"kind": "Node", "name": "n1"}}, expect=201)
+
+    async def names(query: str) -> list[str]:
+        listing = await api.get(f"/api/v1/pods?{query}")
+        assert int(listing["metadata"]["resourceVersion"]) > 0
+        return [item["metadata"]["name"] for item in listing["items"]]
+
+    assert await names("labelSelector=role%3Dworker,job!%3Dy") == ["a"]
+    assert await names("labelSelector=job+in+(x,y)") == ["a", "b"]
+    assert await names("labelSelector=!role") == ["c"]
+    assert await names("fieldSelector=spec.nodeName%3D") == ["a", "c"]
+    assert await names("fieldSelector=spec.nodeName%3Dn1,status.phase%3DPending") == ["b"]
+    assert await names("fieldSelector=metadata.name!%3Da,metadata.namespace%3Ddefault") == ["b", "c"]
+    refused = await api.get("/api/v1/pods?fieldSelector=spec.priority%3D0", expect=400)
+    assert "field label not supported" in refused["message"]
+    page = await api.get("/api/v1/pods?limit=2")
+    assert len(page["items"]) == 2 and page["metadata"]["continue"]
+    rest = await api.get(f"/api/v1/pods?limit=2&continue={page['metadata']['continue']}")
+    assert [p["metadata"]["name"] for p in rest["items"]] == ["c"]
+
+
+@pytest.mark.asyncio
+async def test_watch_resumes_filters_and_times_out(api, crd):
+    first = await api.create(ETJ, job("a"))
+    await api.create(ETJ, job("b"))
+    await api.patch(f"{ETJ}/a", {"metadata": {"labels": {"pick": "yes"}}})
+    await api.patch(f"{ETJ}/a", {"metadata": {"labels": {"pick": "no"}}})
+    await api.delete(f"{ETJ}/b")
+
+    started = time.monotonic()
+    events = await api.watch(ETJ, resourceVersion=first["metadata"]["resourceVersion"])  # 1 s
+    assert 0.9 < time.monotonic() - started < 5  # timeoutSeconds=1 ends the stream
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [
+        ("ADDED", "b"), ("MODIFIED", "a"), ("MODIFIED", "a"), ("DELETED", "b")]
+    versions = [int(e["object"]["metadata"]["resourceVersion"]) for e in events]
+    assert versions == sorted(versions)
+
+    picked = await api.watch(ETJ, timeoutSeconds="0.2", resourceVersion=first["metadata"]["resourceVersion"], labelSelector="pick=yes")
+    assert [e["type"] for e in picked] == ["ADDED", "DELETED"]  # in, then out of the selector
+    initial = await api.watch(ETJ, timeoutSeconds="0.2")  # no resourceVersion: the current state first
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in initial] == [("ADDED", "a")]
+    streamed = await api.watch(ETJ, timeoutSeconds="0.2", sendInitialEvents="true", resourceVersionMatch="NotOlderThan")
+    assert [e["type"] for e in streamed] == ["ADDED", "BOOKMARK"]
+
+
+@pytest.mark.asyncio
+async def test_watch_delivers_live_events_and_410_after_compaction():
+    async with serve(emulator=Emulator(history=3)) as running, aiohttp.ClientSession(running.url) as session:
+        api = Api(session)
+        start = (await api.get(PODS))["metadata"]["resourceVersion"]
+        live = asyncio.create_task(api.watch(PODS, resourceVersion=start))
+        await asyncio.sleep(0.2)
+        for name in ("a", "b", "c", "d"):
+            await api.create(PODS, pod(name))
+        assert [e["object"]["metadata"]["name"] for e in await live] == ["a", "b", "c", "d"]
+        gone = await api.watch(PODS, timeoutSeconds="0.2", resourceVersion=start)
+        assert [(e["type"], e["object"]["code"]) for e in gone] == [("ERROR", 410)]
+
+
+# -- deletion: finalizers, owners, namespaces ---------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_owner_deletion_collects_dependents(api, crd):
+    owner = await api.create(ETJ, job())
+    ref = {"apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "name": "j1",
+           "uid": owner["metadata"]["uid"], "controller": True}
+    await api.create(PODS, pod("w0", ownerReferences=[ref]))
+    await api.create(PODS, pod("w1", ownerReferences=[ref], finalizers=["tidal.dev/drain"]))
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "j1", "ownerReferences": [ref]},
+               "spec": {"clusterIP": "None", "selector": {"job": "j1"}}}
+    await api.create("/api/v1/namespaces/default/services", service)
+    await api.create(PODS, pod("free"))
+    await api.create(PODS, pod("dangling", ownerReferences=[{**ref, "uid": "no-such-uid"}]))
+    await api.delete(f"{ETJ}/j1")
+    await asyncio.sleep(0.05)  # the collector works in the background
+
+    names = [p["metadata"]["name"] for p in (await api.get(PODS))["items"]]
+    assert names == ["free", "w1"]  # w1 waits for its finalizer
+    held = await api.get(f"{PODS}/w1")
+    assert held["metadata"]["deletionTimestamp"]
+    await api.get("/api/v1/namespaces/default/services/j1", expect=404)
+    await api.patch(f"{PODS}/w1", {"metadata": {"finalizers": None}})
+    await api.get(f"{PODS}/w1", expect=404)
+
+    orphan_owner = await api.create(ETJ, job("j2"))
+    kept = {**ref, "name": "j2", "uid": orphan_owner["metadata"]["uid"]}
+    await api.create(PODS, pod("kept", ownerReferences=[kept]))
+    await api.delete(f"{ETJ}/j2", {"propagationPolicy": "Orphan"})
+    await asyncio.sleep(0.05)
+    assert (await api.get(f"{PODS}/kept"))["metadata"].get("ownerReferences") == []
+
+
+@pytest.mark.asyncio
+async def test_namespace_deletion_empties_it(api):
+    await api.create("/api/v1/namespaces", {"metadata": {"name": "team"}})
+    await api.get("/api/v1/namespaces/team/serviceaccounts/default")  # made for every namespace
+    await api.create("/api/v1/namespaces/team/pods", pod("p"))
+    await api.delete("/api/v1/namespaces/team")
+    await api.get("/api/v1/namespaces/team", expect=404)
+    await api.get("/api/v1/namespaces/team/pods/p", expect=404)
+    missing = await api.create("/api/v1/namespaces/team/pods", pod("p"), expect=404)
+    assert missing["message"] == 'namespaces "team" not found'
+
+
+# -- custom resources -------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_crd_registers_its_resource_with_schema(api):
+    await api.get(ETJ, expect=404)
+    await api.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", CRD)
+    crd = await api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/elastictrainingjobs.tidal.dev")
+    assert {c["type"]: c["status"] for c in crd["status"]["conditions"]}["Established"] == "True"
+    discovery = await api.get("/apis/tidal.dev/v1alpha1")
+    entries = {r["name"]: r for r in discovery["resources"]}
+    assert entries["elastictrainingjobs"]["shortNames"] == ["etj"]
+    assert entries["elastictrainingjobs"]["namespaced"] is True
+    assert entries["elastictrainingjobs/status"]["kind"] == "ElasticTrainingJob"
+    assert any(g["name"] == "tidal.dev" for g in (await api.get("/apis"))["groups"])
+
+    created = await api.create(ETJ, job(image="a", unknown=1, workers={"min": 3}))
+    assert created["spec"] == {"image": "a", "workers": {"min": 3, "max": 8}}  # pruned and defaulted
+    invalid = await api.create(ETJ, job("bad", workers={"min": 9, "max": 2}), expect=422)
+    assert "spec.workers: Invalid value: min (9) > max (2)" in invalid["message"]
+    invalid = await api.create(ETJ, job("bad", workers={"min": 0}, image=3), expect=422)
+    assert "spec.workers.min" in invalid["message"] and "spec.image" in invalid["message"]
+    await api.patch(f"{ETJ}/j1/status", {"status": {"phase": "Lost"}}, expect=422)  # enum
+    pruned = await api.patch(f"{ETJ}/j1/status", {"status": {"phase": "Running", "typo": 1}})
+    assert pruned["status"] == {"phase": "Running"}  # a field missing from the schema vanishes
+
+    await api.delete("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/elastictrainingjobs.tidal.dev")
+    await api.get(ETJ, expect=404)
+
+
+@pytest.mark.asyncio
+async def test_repository_crd_and_examples(served):
+    """The CRD in crds/ registers, both example jobs pass its schema, a bad one does not."""
+    emulator = served.emulator
+    for manifest in yaml.safe_load_all((ROOT / "crds" / "elastictrainingjobs.tidal.dev.yaml").read_text()):
+        emulator.create(manifest)
+    for example in ("tiny.yaml", "elastic-small.yaml"):
+        created = emulator.create(yaml.safe_load((ROOT / "examples" / example).read_text()))
+        assert created["spec"]["workers"]["min"] >= 1
+    bad = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["workers"] = {"min": 4, "max": 2}
+    with pytest.raises(kmock.KubernetesError, match="workers.min .4. must not exceed workers.max .2."):
+        emulator.create(bad)
+
+
+# -- admission ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_pod_admission(api):
+    refused = await api.create(PODS, {**pod(), "spec": {**pod()["spec"], "priorityClassName": "tidal-elastic"}},
+                               expect=403)
+    assert "no PriorityClass with name tidal-elastic" in refused["message"]
+    await api.create("/apis/scheduling.k8s.io/v1/priorityclasses",
+                     {"metadata": {"name": "tidal-elastic"}, "value": -10})
+    created = await api.create(PODS, {**pod(gpus=2), "spec": {**pod(gpus=2)["spec"], "priorityClassName": "tidal-elastic"}})
+    assert created["spec"]["priority"] == -10
+    assert created["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": 2}
+    unequal = pod("p2")
+    unequal["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 1}, "requests": {"nvidia.com/gpu": 2}}
+    assert "must be equal to nvidia.com/gpu limit" in (await api.create(PODS, unequal, expect=422))["message"]
+    no_account = {**pod("p3"), "spec": {**pod()["spec"], "serviceAccountName": "tidal-worker"}}
+    assert "serviceaccount \"tidal-worker\" not found" in (await api.create(PODS, no_account, expect=403))["message"]
+    await api.create(PODS, pod("p4", labels={"job": "x" * 64}), expect=422)  # label values: 63 at most
+    await api.create(PODS, pod("Upper"), expect=422)
+
+    await api.patch(f"{PODS}/p1", {"spec": {"nodeName": "n1"}}, expect=422)  # only pods/binding binds
+    await api.patch(f"{PODS}/p1", {"spec": {"containers": [{"name": "main", "image": "other"}]}},
+                    "application/strategic-merge-patch+json")  # images may change
+    await api.call("POST", f"{PODS}/p1/binding", {"target": {"name": "n1"}}, expect=201)
+    bound = await api.get(f"{PODS}/p1")
+    assert bound["spec"]["nodeName"] == "n1"
+    assert {"type": "PodScheduled", "status": "True"}.items() <= bound["status"]["conditions"][0].items()
+    await api.call("POST", f"{PODS}/p1/binding", {"target": {"name": "n2"}}, expect=409)
+
+
+@pytest.mark.asyncio
+async def test_service_admission(api):
+    services = "/api/v1/namespaces/default/services"
+    await api.create(services, {"metadata": {"name": "1job"}, "spec": {"ports": [{"port": 80}]}}, expect=422)
+    await api.create(services, {"metadata": {"name": "job"}, "spec": {}}, expect=422)  # ports required
+    created = await api.create(services, {"metadata": {"name": "job"}, "spec": {"ports": [{"port": 80}]}})
+    assert created["spec"]["clusterIP"].startswith("10.")
+    headless = await api.create(services, {"metadata": {"name": "peers"}, "spec": {"clusterIP": "None"}})
+    assert headless["spec"]["clusterIP"] == "None"
+
+
+@pytest.mark.asyncio
+async def test_faults_can_be_injected_with_the_kmock_dsl(served, api):
+    served.emulator["patch", kmock.resource("v1/pods")] << 503
+    await api.create(PODS, pod())
+    async with api.session.patch(f"{PODS}/p1", data="{}", headers={"Content-Type": MERGE}) as rsp:
+        assert rsp.status == 503
+    await api.get(f"{PODS}/p1")
+
+
+# -- running it, and real clients ---------------------------------------------------------------------
+
+
+def test_lightkube_round_trips(emulator):
+    from lightkube import Client, KubeConfig
+    from lightkube.generic_resource import create_namespaced_resource
+    from lightkube.resources.core_v1 import Event, Node, Pod
+    from lightkube.types import PatchType
+
+    emulator.call(emulator.emulator.create, CRD)
+    Job = create_namespaced_resource("tidal.dev", "v1alpha1", "ElasticTrainingJob", "elastictrainingjobs")
+    client = Client(config=KubeConfig.from_file(emulator.kubeconfig), field_manager="tests")
+    try:
+        node = client.create(Node.from_dict({"metadata": {"name": "n1"},
+                                             "status": {"allocatable": {"nvidia.com/gpu": "8"}}}))
+        assert node.status.allocatable == {"nvidia.com/gpu": "8"}
+        created = client.create(Pod.from_dict(pod("w0", labels={"job": "j1"})))
+        assert created.status.phase == "Pending"
+        client.patch(Pod.Status, "w0", {"status": {"phase": "Running"}}, patch_type=PatchType.MERGE)
+        assert [p.status.phase for p in client.list(Pod, labels={"job": "j1"})] == ["Running"]
+        client.create(Event.from_dict({"metadata": {"generateName": "j1-"}, "reason": "ScaledUp",
+                                       "message": "2 -> 4", "involvedObject": {"kind": "Pod", "name": "w0"}}))
+        assert [e.reason for e in client.list(Event)] == ["ScaledUp"]
+
+        client.create(Job(job(workers={"min": 1, "max": 2})))
+        client.patch(Job, "j1", {"spec": {"image": "x"}}, patch_type=PatchType.MERGE)
+        client.patch(Job.Status, "j1", {"status": {"phase": "Running"}}, patch_type=PatchType.MERGE)
+        fetched = client.get(Job, "j1")
+        assert (fetched["spec"]["image"], fetched.status["phase"]) == ("x", "Running")
+        client.delete(Job, "j1")
+        since = fetched.metadata.resourceVersion
+        kind, obj = next(iter(client.watch(Job, resource_version=since, server_timeout=5)))
+        assert (kind, obj.metadata.name) == ("DELETED", "j1")
+        client.delete(Node, "n1")
+        assert [n.metadata.name for n in client.list(Node)] == []
+    finally:
+        client.close()
+
+
+@pytest.mark.asyncio
+async def test_lightkube_async_client(served, tmp_path):
+    from lightkube import AsyncClient, KubeConfig
+    from lightkube.resources.core_v1 import Pod
+
+    from tidal_operator.emulator import write_kubeconfig
+
+    config = KubeConfig.from_file(write_kubeconfig(tmp_path / "kubeconfig", served.url))
+    client = AsyncClient(config=config)
+    try:
+        await client.create(Pod.from_dict(pod("w0")))
+        got = await client.get(Pod, "w0")
+        assert got.spec.containers[0].image == "busybox"
+        await client.delete(Pod, "w0")
+        assert [p async for p in client.list(Pod)] == []
+    finally:
+        await client.close()
+
+
+KOPF_OPERATOR = '''
+import kopf
+
+@kopf.on.startup()
+def configure(settings, **_):
+    settings.watching.server_timeout = 10
+    settings.networking.request_timeout = 10
+
+@kopf.on.create("tidal.dev", "v1alpha1", "elastictrainingjobs")
+def created(body, spec, patch, **_):
+    kopf.info(body, reason="Seen", message=f"workers {spec['workers']['min']}")
+    patch.status["phase"] = "Running"
+    patch.status["workers"] = spec["workers"]["min"]
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_kopf_operator_sees_a_job_and_patches_its_status(emulator, tmp_path):
+    emulator.call(emulator.emulator.create, CRD)
+    (tmp_path / "op.py").write_text(KOPF_OPERATOR)
+    log = tmp_path / "kopf.log"
+    with log.open("w") as out:
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "--verbose",
+             str(tmp_path / "op.py")],
+            env={**os.environ, "KUBECONFIG": str(emulator.kubeconfig)}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        emulator.call(emulator.emulator.create, job(workers={"min": 3, "max": 4}))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stored = emulator.call(emulator.emulator.get, "tidal.dev/v1alpha1/elastictrainingjobs", "default", "j1")
+            if stored.get("status", {}).get("phase") == "Running":
+                break
+            time.sleep(0.2)
+        assert stored["status"] == {"phase": "Running", "workers": 3}, log.read_text()
+        deadline = time.monotonic() + 10
+        while not (events := emulator.call(emulator.emulator.list, "v1/events")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [(e["reason"], e["message"], e["involvedObject"]["name"]) for e in events] == [
+            ("Seen", "workers 3", "j1")]
+    finally:
+        operator.send_signal(signal.SIGTERM)
+        operator.wait(timeout=15)
+    text = log.read_text()
+    assert "Handler 'created' succeeded" in text
+    assert not re.search(r"\[(ERROR|WARNING) ", text), text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(30)
+def test_command_line_serves_until_sigterm(tmp_path):
+    kubeconfig = tmp_path / "kubeconfig"
+    crd = tmp_path / "crd.yaml"
+    crd.write_text(yaml.safe_dump(CRD))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "tidal_operator.emulator", "--port", "0", "--kubeconfig", str(kubeconfig),
+               "--apply", str(crd)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as server:
+        try:
+            line = server.stdout.readline()
+            assert line.startswith("ready http://127.0.0.1:"), line
+            url = line.split()[1]
+            config = yaml.safe_load(kubeconfig.read_text())
+            assert config["clusters"][0]["cluster"]["server"] == url
+            assert config["users"][0]["user"]["token"]
+            with urllib.request.urlopen(f"{url}{ETJ}") as rsp:
+                assert json.load(rsp)["kind"] == "ElasticTrainingJobList"
+        finally:
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(timeout=10) == 0
