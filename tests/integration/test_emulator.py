@@ -4,6 +4,7 @@ alone lacks, then real clients (lightkube, a kopf operator) and the local schedu
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
 import re
@@ -22,6 +23,8 @@ import pytest_asyncio
 import yaml
 
 from tidal_operator.emulator import Emulator, label_selector, merge_patch, serve, strategic_merge_patch
+from tidal_operator.localcluster import (DURATION_ANNOTATION, ClusterApi, Kubelet, Scheduler, create_nodes,
+                                         register_nodes, run)
 
 ROOT = Path(__file__).resolve().parents[2]
 ETJ = "/apis/tidal.dev/v1alpha1/namespaces/default/elastictrainingjobs"
@@ -569,3 +572,87 @@ def test_command_line_serves_until_sigterm(tmp_path):
         finally:
             server.send_signal(signal.SIGTERM)
             assert server.wait(timeout=10) == 0
+
+
+# -- the local scheduler and kubelet ----------------------------------------------------------------
+
+
+def gpu_pod(name: str, gpus: int, duration: float | None = None, priority_class: str | None = None) -> dict[str, Any]:
+    manifest = pod(name, gpus)
+    if duration is not None:
+        manifest["metadata"]["annotations"] = {DURATION_ANNOTATION: str(duration)}
+    if priority_class:
+        manifest["spec"]["priorityClassName"] = priority_class
+    return manifest
+
+
+@pytest.mark.asyncio
+async def test_scheduler_binds_by_gpus_and_kubelet_runs_for_the_duration(served, api):
+    async with ClusterApi(served.url) as cluster:
+        assert await create_nodes(cluster, 2, 4) == ["node-0", "node-1"]
+        assert await create_nodes(cluster, 2, 4) == ["node-0", "node-1"]  # idempotent
+        for name, gpus in (("a", 3), ("b", 2), ("c", 2), ("d", 4)):
+            await api.create(PODS, gpu_pod(name, gpus, duration=1 if name == "a" else None))
+        await api.create(PODS, gpu_pod("e", 1) | {"spec": {**gpu_pod("e", 1)["spec"], "nodeSelector": {"zone": "x"}}})
+
+        assert await Scheduler(cluster).step() == ["default/a", "default/b", "default/c"]
+        placed = {p["metadata"]["name"]: p for p in (await api.get(PODS))["items"]}
+        assert [placed[n]["spec"].get("nodeName") for n in "abcde"] == ["node-0", "node-1", "node-1", None, None]
+        waiting = {c["type"]: c for c in placed["d"]["status"]["conditions"]}["PodScheduled"]
+        assert (waiting["status"], waiting["reason"]) == ("False", "Unschedulable")
+        assert waiting["message"] == "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+        waiting = {c["type"]: c for c in placed["e"]["status"]["conditions"]}["PodScheduled"]
+        assert waiting["message"] == "0/2 nodes are available: 2 node(s) didn't match Pod's node affinity/selector."
+
+        version = served.emulator.resource_version
+        assert await Scheduler(cluster).step() == []  # a restarted scheduler: nothing new, nothing written
+        assert served.emulator.resource_version == version
+
+        started = datetime.datetime.now(datetime.UTC)
+        await Kubelet(cluster).step(started)
+        running = {p["metadata"]["name"]: p["status"] for p in (await api.get(PODS))["items"]}
+        assert [running[n]["phase"] for n in "abcd"] == ["Running", "Running", "Running", "Pending"]
+        assert running["a"]["containerStatuses"][0]["state"]["running"]
+        await Kubelet(cluster).step(started)  # idempotent
+        assert served.emulator.resource_version == version + 3
+
+        await Kubelet(cluster).step(started + datetime.timedelta(seconds=2))
+        done = (await api.get(f"{PODS}/a"))["status"]
+        assert done["phase"] == "Succeeded"
+        assert done["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        assert (await api.get(f"{PODS}/b"))["status"]["phase"] == "Running"  # no duration: runs on
+        assert await Scheduler(cluster).step() == ["default/d"]  # a's GPUs are free again
+        assert (await api.get(f"{PODS}/d"))["spec"]["nodeName"] == "node-0"
+
+
+@pytest.mark.asyncio
+async def test_scheduler_takes_higher_priority_first(served, api):
+    await api.create("/apis/scheduling.k8s.io/v1/priorityclasses", {"metadata": {"name": "high"}, "value": 100})
+    async with ClusterApi(served.url) as cluster:
+        await create_nodes(cluster, 1, 4)
+        await api.create(PODS, gpu_pod("early", 4))
+        await api.create(PODS, gpu_pod("urgent", 4, priority_class="high"))
+        assert await Scheduler(cluster).step() == ["default/urgent"]
+
+
+def test_local_cluster_runs_beside_a_threaded_emulator(emulator):
+    """The synchronous way: nodes over HTTP, the loop on the emulator's thread, cancel to stop."""
+    from lightkube import Client, KubeConfig
+    from lightkube.resources.core_v1 import Node, Pod
+
+    assert register_nodes(emulator.url, 1, 2) == ["node-0"]
+    assert register_nodes(emulator.url, 1, 2) == ["node-0"]
+    loop = emulator.submit(run(emulator.url, interval_s=0.05))
+    client = Client(config=KubeConfig.from_file(emulator.kubeconfig))
+    try:
+        assert client.get(Node, "node-0").status.allocatable["nvidia.com/gpu"] == "2"
+        client.create(Pod.from_dict(gpu_pod("w", 2)))
+        deadline = time.monotonic() + 10
+        while client.get(Pod, "w").status.phase != "Running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get(Pod, "w").status.phase == "Running"
+        assert client.get(Pod, "w").spec.nodeName == "node-0"
+    finally:
+        client.close()
+        loop.cancel()
+    assert loop.cancelled()
