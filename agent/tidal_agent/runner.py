@@ -27,7 +27,7 @@ from tidal_agent.trainer import model_config, params_sha256
 from tidal_agent.worker import WorkerOptions, worker_main
 from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob
-from tidal_plan.elastic import Generation, all_workers, generations
+from tidal_plan.elastic import Generation, all_workers, data_parallel_degree, generations
 from tidal_plan.layout import Layout, ScheduleKind, build_layout
 
 
@@ -246,20 +246,16 @@ def elastic_plan(
 ) -> tuple[list[Generation], list[Layout]]:
     """Generations and their layouts for a worker schedule like [(0, 2), (4, 3)].
 
-    Strict consistency keeps dp = 1 and scales pp. With ``elastic: dp-pp`` and ``relaxed``
-    consistency, a worker count that is a multiple k of the first one runs k data-parallel
-    replicas of the first pipeline (when the micro-batches split evenly); other counts scale pp.
-    ``choose(workers, dp)`` (the planner) picks each layout where given; otherwise the units
+    dp follows ``tidal_plan.elastic.data_parallel_degree`` (1 in strict mode). ``choose(workers, dp)`` (the planner) picks each layout where given; otherwise the units
     are split evenly under the spec's schedule (or ``kind``).
     """
     gens = generations(schedule)
-    par, base = job.spec.parallelism, len(gens[0].members)
+    base = len(gens[0].members)
     micro_batches = job.spec.training.num_micro_batches
     layouts = []
     for gen in gens:
-        n, dp = len(gen.members), 1
-        if par.elastic == "dp-pp" and par.consistency == "relaxed" and n % base == 0:
-            dp = n // base if micro_batches % (n // base) == 0 else 1
+        n = len(gen.members)
+        dp = data_parallel_degree(job.spec, base, n)
         if choose is not None:
             layouts.append(choose(n, dp))
         elif dp == 1:

@@ -9,6 +9,11 @@ A switch to generation g+1 happens between two steps, at the same step on every 
 world of g+1 is built in a background thread while generation g trains; joiners wait in it
 (standby) until the old members arrive. State moves over the larger of the two worlds (the new
 one when growing, the old one when shrinking), then leavers exit and the others go on.
+
+Where generations come from is a ``GenerationSource``: a schedule known in advance
+(``StaticGenerations``, ``tidal run``) or the operator's targets, announced through the
+rendezvous store at run time (``tidal_agent.control.ControlledGenerations``, ``tidal agent``).
+The training loop is the same for both.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
 import torch
 
 from tidal_agent import checkpoint
@@ -34,12 +41,58 @@ from tidal_plan.layout import Layout
 from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
 
 
+class GenerationSource(Protocol):
+    """Where a worker learns which generation it belongs to, and when the next one starts.
+
+    Every member of a generation calls ``following`` at each step boundary until it returns
+    the next generation, with the same ``step`` on every member, so all of them learn of it at
+    the same boundary and switch at its ``at_step`` (a later boundary).
+    """
+
+    @property
+    def leader(self) -> str:
+        """The stable leader: rank 0 of every world; it reports steps and switches."""
+
+    def start(self, me: str) -> tuple[Generation, Generation | None] | None:
+        """The generation ``me`` first trains in and the one before it (None for the first
+        generation); None if ``me`` is let go without ever training."""
+
+    def layout(self, gen: Generation) -> Layout:
+        """The layout of a generation this worker has heard of."""
+
+    def following(self, gen: Generation, step: int) -> Generation | None:
+        """At the boundary before ``step``: the generation after ``gen`` if it is known."""
+
+
+@dataclass(frozen=True, slots=True)
+class StaticGenerations:
+    """A membership schedule known in advance: every generation and its layout."""
+
+    generations: tuple[Generation, ...]
+    layouts: tuple[Layout, ...]  # one per generation
+
+    @property
+    def leader(self) -> str:
+        return self.generations[0].members[0]
+
+    def start(self, me: str) -> tuple[Generation, Generation | None]:
+        gen = next(g for g in self.generations if me in g.members)
+        return gen, self.generations[gen.index - 1] if gen.index else None
+
+    def layout(self, gen: Generation) -> Layout:
+        return self.layouts[gen.index]
+
+    def following(self, gen: Generation, step: int) -> Generation | None:
+        nxt = gen.index + 1
+        return self.generations[nxt] if nxt < len(self.generations) else None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerOptions:
     rendezvous: Rendezvous
-    generations: tuple[Generation, ...]
-    layouts: tuple[Layout, ...]  # one per generation
     steps: int
+    generations: tuple[Generation, ...] = ()  # a static schedule (see StaticGenerations)
+    layouts: tuple[Layout, ...] = ()  # one per generation
     threads: int = 1
     clip_mode: ClipMode = ClipMode.GLOBAL_ORDER
     resume_from: str | None = None  # a checkpoint directory
@@ -51,17 +104,27 @@ class WorkerOptions:
 
 
 def worker_main(me: str, spec_json: str, opts: WorkerOptions, events) -> None:
-    """Process entry point (spawned); never raises, reports through ``events``."""
+    """Process entry point (spawned) for a static schedule; never raises, reports through
+    ``events``."""
     try:
-        _Worker(me, JobSpec.model_validate_json(spec_json), opts, events).run()
+        source = StaticGenerations(opts.generations, opts.layouts)
+        train(me, JobSpec.model_validate_json(spec_json), opts, events, source)
     except BaseException as err:  # noqa: BLE001 - the launcher needs every failure, with cause
         events.put(("error", me, f"{type(err).__name__}: {err}", traceback.format_exc()))
         raise SystemExit(1) from None
 
 
+def train(me: str, spec: JobSpec, opts: WorkerOptions, events, source: GenerationSource) -> None:
+    """Train as worker ``me`` through the generations ``source`` gives, reporting to ``events``
+    (anything with ``put``) until step ``opts.steps`` or until ``me`` is released."""
+    _Worker(me, spec, opts, events, source).run()
+
+
 class _Worker:
-    def __init__(self, me: str, spec: JobSpec, opts: WorkerOptions, events) -> None:
+    def __init__(self, me: str, spec: JobSpec, opts: WorkerOptions, events,
+                 source: GenerationSource) -> None:
         self.me, self.spec, self.opts, self.events = me, spec, opts, events
+        self.source = source
         # Same threads in every process: part of the determinism contract.
         torch.set_num_threads(opts.threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
@@ -74,36 +137,42 @@ class _Worker:
 
     @property
     def leader(self) -> bool:
-        return self.me == self.opts.generations[0].members[0]
+        return self.me == self.source.leader
 
     def _trainer(self, gen: Generation, world: World, *, initialise: bool) -> Trainer:
-        return Trainer(spec=self.spec, layout=self.opts.layouts[gen.index], world=world,
+        return Trainer(spec=self.spec, layout=self.source.layout(gen), world=world,
                        device=self.device, clip_mode=self.opts.clip_mode, initialise=initialise)
 
     def run(self) -> None:
-        gens, opts = self.opts.generations, self.opts
-        gen = next(g for g in gens if self.me in g.members)
-        if gen.index == 0:
-            world = build_world(opts.rendezvous, 0, gen.members, self.me)
+        opts, source = self.opts, self.source
+        started = source.start(self.me)
+        if started is None:  # let go from standby before any generation needed it
+            self.events.put(("left", self.me, None))
+            return
+        gen, previous = started
+        if previous is None:
+            world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
             trainer = self._trainer(gen, world, initialise=opts.resume_from is None)
-            step = checkpoint.load(trainer, opts.resume_from) if opts.resume_from else 0
+            step = checkpoint.load(trainer, opts.resume_from) if opts.resume_from else gen.at_step
             self.events.put(("ready", self.me, step))
         else:  # a joiner: standby in the new world until the old members arrive
             self.events.put(("ready", self.me, None))
             world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
             trainer = self._trainer(gen, world, initialise=False)
-            plan = self._plan(gens[gen.index - 1], gen)
-            self._reshard(plan, world, None, trainer)
+            self._reshard(self._plan(previous, gen), world, None, trainer)
             step = gen.at_step
-        builder, plan = self._next_builder(gen), self._next_plan(gen)
+        following = builder = plan = None
         while step < opts.steps:
-            following = gens[gen.index + 1] if gen.index + 1 < len(gens) else None
+            if following is None:
+                following = source.following(gen, step)
+                if following is not None:  # build its world and plan while this one trains
+                    builder, plan = self._next_builder(following), self._plan(gen, following)
             if following is not None and step == following.at_step:
                 trainer, world = self._switch(gen, following, trainer, world, builder, plan)
                 if trainer is None:
                     self.events.put(("left", self.me, step))
                     return
-                gen, builder, plan = following, self._next_builder(following), self._next_plan(following)
+                gen, following = following, None
                 continue
             self._train_step(trainer, step)
             step += 1
@@ -161,24 +230,17 @@ class _Worker:
         Path(self.opts.profile_out).write_text(json.dumps(profile, indent=2) + "\n")
         self.events.put(("profile", self.me, self.opts.profile_out))
 
-    def _next_builder(self, gen: Generation) -> WorldBuilder | None:
+    def _next_builder(self, following: Generation) -> WorldBuilder | None:
         """Start building the next generation's world now, while this one trains."""
-        gens = self.opts.generations
-        if gen.index + 1 >= len(gens) or self.me not in gens[gen.index + 1].members:
+        if self.me not in following.members:
             return None
-        following = gens[gen.index + 1]
         return WorldBuilder(self.opts.rendezvous, following.index, following.members, self.me)
 
     def _plan(self, old: Generation, new: Generation) -> ReshardPlan:
-        layouts = self.opts.layouts
-        return plan_reshard(Placement(layout=layouts[old.index], workers=old.members),
-                            Placement(layout=layouts[new.index], workers=new.members),
+        """A switch's reshard plan, made ahead of it rather than during the pause."""
+        return plan_reshard(Placement(layout=self.source.layout(old), workers=old.members),
+                            Placement(layout=self.source.layout(new), workers=new.members),
                             self.metas)
-
-    def _next_plan(self, gen: Generation) -> ReshardPlan | None:
-        """The next switch's reshard plan, made now rather than during the pause."""
-        gens = self.opts.generations
-        return self._plan(gen, gens[gen.index + 1]) if gen.index + 1 < len(gens) else None
 
     def _switch(self, old: Generation, new: Generation, trainer: Trainer, world: World,
                 builder: WorldBuilder | None, plan: ReshardPlan,
@@ -197,8 +259,10 @@ class _Worker:
         if self.leader:
             self.events.put(("reconfig", self.me, {
                 "at_step": new.at_step,
-                "from": self.opts.layouts[old.index].to_dict(),
-                "to": self.opts.layouts[new.index].to_dict(),
+                "generation": new.index,
+                "members": list(new.members),
+                "from": self.source.layout(old).to_dict(),
+                "to": self.source.layout(new).to_dict(),
                 "workers": [len(old.members), len(new.members)],
                 "pause_s": time.perf_counter() - (self._last_step_end or paused),
                 "world_s": world_s,

@@ -1,9 +1,12 @@
 """Membership over time: which workers form each generation of an elastic job.
 
-A worker schedule ``0:2,4:3,8:4,12:2`` says how many workers run from which step on. Every
-change opens a generation. Survivors keep their order (so the leader, ``worker-0``, is rank 0
-of every world); joiners get fresh ids appended after them; a shrink keeps the first workers
-and releases the last ones.
+Two sources of generations, one rule for forming them: survivors keep their order (so the
+leader is rank 0 of every world) and joiners are appended after them.
+
+- A worker schedule ``0:2,4:3,8:4,12:2`` (``tidal run``) says how many workers run from which
+  step on; joiners get fresh ids and a shrink releases the last workers.
+- A ``status.target`` of the ElasticTrainingJob (the operator, at run time) names the pods that
+  join or the pods it releases, which may be any members but the leader: ``next_generation``.
 """
 
 from __future__ import annotations
@@ -11,9 +14,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from tidal_api import JobSpec, Target
+
 
 class ScheduleError(ValueError):
     """A worker schedule that cannot be followed; the message says how to fix it."""
+
+
+class TargetError(ValueError):
+    """A status.target the agent cannot apply; the message says what is wrong with it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,3 +79,55 @@ def all_workers(gens: list[Generation]) -> list[str]:
     for gen in gens:
         seen.update(dict.fromkeys(gen.members))
     return list(seen)
+
+
+def next_generation(current: Generation, target: Target, *, at_step: int) -> Generation:
+    """The generation ``target`` asks for after ``current``, switching at ``at_step``.
+
+    The target is read as a desired state, not a delta, so a stale entry left over from an
+    earlier target is harmless: pods in ``join`` are members afterwards, pods in ``release``
+    are not. Survivors keep their order and new members follow in the target's order; any
+    member but the leader (the first) may be released. A switch either adds or removes pods,
+    never both, because the state moves over one world that holds every pod involved (the new
+    world when growing, the old one when shrinking). ``target.workers`` must agree with the
+    result. A target that changes no member gives the same members under a new index.
+    """
+    generation = target.generation
+    if generation <= current.index:
+        raise TargetError(f"target generation {generation} is not after the applied {current.index}")
+    if current.members[0] in target.release:
+        raise TargetError(
+            f"target generation {generation} releases the leader {current.members[0]}, "
+            "which hosts the rendezvous and must stay"
+        )
+    if both := sorted(set(target.join) & set(target.release)):
+        raise TargetError(f"target generation {generation} both joins and releases {both}")
+    joiners = tuple(dict.fromkeys(p for p in target.join if p not in current.members))
+    leavers = [m for m in current.members if m in target.release]
+    if joiners and leavers:
+        raise TargetError(
+            f"target generation {generation} adds {list(joiners)} and releases {leavers} at "
+            "once: release first, then add in a later generation"
+        )
+    members = tuple(m for m in current.members if m not in leavers) + joiners
+    if len(members) != target.workers:
+        raise TargetError(
+            f"target generation {generation} asks for {target.workers} workers but "
+            f"{len(current.members)} members + {len(joiners)} joining - {len(leavers)} released "
+            f"= {len(members)}"
+        )
+    return Generation(index=generation, at_step=at_step, members=members)
+
+
+def data_parallel_degree(spec: JobSpec, base_workers: int, workers: int) -> int:
+    """dp for ``workers`` when the job started with ``base_workers``.
+
+    Strict consistency keeps dp = 1 and scales pp. With ``elastic: dp-pp`` and ``relaxed``
+    consistency, a worker count that is a multiple k of the first one runs k data-parallel
+    replicas of the first pipeline (when the micro-batches split evenly); other counts scale pp.
+    """
+    par = spec.parallelism
+    if par.elastic != "dp-pp" or par.consistency != "relaxed" or workers % base_workers:
+        return 1
+    k = workers // base_workers
+    return k if spec.training.num_micro_batches % k == 0 else 1

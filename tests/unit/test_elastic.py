@@ -33,3 +33,71 @@ def test_entries_that_change_nothing_are_merged():
 def test_bad_schedules(text, message):
     with pytest.raises(ScheduleError, match=message):
         parse_worker_schedule(text, steps=20, max_workers=8)
+
+
+# ---- generations from the operator's targets ----------------------------------------------------
+
+from tidal_api import JobSpec, Target  # noqa: E402
+from tidal_plan.elastic import Generation, TargetError, data_parallel_degree, next_generation  # noqa: E402
+
+CURRENT = Generation(index=1, at_step=4, members=("w-0", "w-1", "w-2"))
+
+
+def test_joiners_follow_the_survivors_in_target_order():
+    target = Target(workers=5, generation=2, join=("w-9", "w-3"))
+    assert next_generation(CURRENT, target, at_step=7) == Generation(
+        index=2, at_step=7, members=("w-0", "w-1", "w-2", "w-9", "w-3"))
+
+
+def test_any_member_but_the_leader_can_be_released():
+    target = Target(workers=2, generation=3, release=("w-1",))
+    assert next_generation(CURRENT, target, at_step=9).members == ("w-0", "w-2")
+    target = Target(workers=1, generation=2, release=("w-2", "w-1"))
+    assert next_generation(CURRENT, target, at_step=9).members == ("w-0",)
+
+
+def test_a_target_that_names_no_pod_keeps_the_members():
+    gen = next_generation(CURRENT, Target(workers=3, generation=2), at_step=5)
+    assert gen.members == CURRENT.members and gen.index == 2
+
+
+def test_a_target_is_a_desired_state_so_stale_entries_are_harmless():
+    # The join of the previous target, left in place by a merge patch, next to a release.
+    target = Target(workers=2, generation=2, join=("w-2",), release=("w-1", "w-7"))
+    assert next_generation(CURRENT, target, at_step=5).members == ("w-0", "w-2")
+    target = Target(workers=4, generation=2, join=("w-1", "w-5", "w-5"))
+    assert next_generation(CURRENT, target, at_step=5).members == ("w-0", "w-1", "w-2", "w-5")
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (Target(workers=3, generation=1, join=("w-5",)), "not after the applied 1"),
+        (Target(workers=3, generation=2, join=("w-5",), release=("w-1",)),
+         r"adds \['w-5'\] and releases \['w-1'\] at once"),
+        (Target(workers=3, generation=2, join=("w-5",), release=("w-5",)),
+         r"both joins and releases \['w-5'\]"),
+        (Target(workers=2, generation=2, release=("w-0",)), "releases the leader w-0"),
+        (Target(workers=3, generation=2, release=("w-2",)), "asks for 3 workers but .* = 2"),
+        (Target(workers=2, generation=2, release=("w-9",)), "asks for 2 workers but .* = 3"),
+    ],
+)
+def test_targets_that_cannot_be_applied(target, message):
+    with pytest.raises(TargetError, match=message):
+        next_generation(CURRENT, target, at_step=5)
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "workers", "dp"),
+    [
+        ({"elastic": "pp", "consistency": "strict"}, 4, 1),
+        ({"elastic": "dp-pp", "consistency": "strict"}, 4, 1),  # strict never changes dp
+        ({"elastic": "dp-pp", "consistency": "relaxed"}, 4, 2),
+        ({"elastic": "dp-pp", "consistency": "relaxed"}, 3, 1),  # not a multiple of 2
+        ({"elastic": "dp-pp", "consistency": "relaxed"}, 6, 1),  # 8 micro-batches over 3
+    ],
+)
+def test_data_parallel_degree(parallelism, workers, dp):
+    spec = JobSpec.model_validate({"parallelism": parallelism,
+                                   "training": {"globalBatchSize": 16, "microBatchSize": 2}})
+    assert data_parallel_degree(spec, 2, workers) == dp
