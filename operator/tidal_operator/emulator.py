@@ -83,11 +83,13 @@ BUILTIN_RESOURCES: dict[str, tuple[str, ...]] = {
     "coordination.k8s.io/v1": ("leases",),
     "scheduling.k8s.io/v1": ("priorityclasses",),
     "apiextensions.k8s.io/v1": ("customresourcedefinitions",),
-    "rbac.authorization.k8s.io/v1": ("roles", "rolebindings", "clusterroles", "clusterrolebindings"),
+    "rbac.authorization.k8s.io/v1": ("roles", "rolebindings", "clusterroles",
+                                     "clusterrolebindings"),
     "policy/v1": ("poddisruptionbudgets",),
 }
 INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
-SYSTEM_PRIORITY_CLASSES = {"system-cluster-critical": 2000000000, "system-node-critical": 2000001000}
+SYSTEM_PRIORITY_CLASSES = {"system-cluster-critical": 2_000_000_000,
+                           "system-node-critical": 2_000_001_000}
 SERVICE_CIDR = ipaddress.ip_network("10.96.0.0/12")
 _CR_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 
@@ -204,6 +206,16 @@ _SELECTABLE_FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
+def _field_equals(path: list[str], value: str, equal: bool, obj: Obj) -> bool:
+    current: Any = obj
+    for step in path:
+        current = current.get(step) if isinstance(current, dict) else None
+    if isinstance(current, bool):
+        current = json.dumps(current)  # "true", as a real server writes booleans
+    text = "" if current is None else str(current)
+    return (text == value) == equal
+
+
 def field_selector(resource: Resource, text: str | None) -> Callable[[Obj], bool]:
     """Parse a field selector (``f=v``, ``f==v``, ``f!=v``, comma-separated) over the fields the
     kind supports; an absent field reads as the empty string (``spec.nodeName=`` finds pods
@@ -219,14 +231,7 @@ def field_selector(resource: Resource, text: str | None) -> Callable[[Obj], bool
         if field not in allowed:
             raise api_error(400, "BadRequest", f'field label not supported: {field}')
 
-        def check(obj: Obj, path: list[str] = field.split("."), v: str = value, eq: bool = op != "!=") -> bool:
-            current: Any = obj
-            for step in path:
-                current = current.get(step) if isinstance(current, dict) else None
-            text = "" if current is None else str(current).lower() if isinstance(current, bool) else str(current)
-            return (text == v) == eq
-
-        checks.append(check)
+        checks.append(functools.partial(_field_equals, field.split("."), value, op != "!="))
     return lambda obj: all(check(obj) for check in checks)
 
 
@@ -249,10 +254,10 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 # Lists of built-in kinds that a strategic merge patch merges by a key instead of replacing.
 _MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "ephemeralContainers": "name", "env": "name",
-    "volumes": "name", "volumeMounts": "mountPath", "conditions": "type", "imagePullSecrets": "name",
-    "ownerReferences": "uid", "hostAliases": "ip", "addresses": "type",
-    "topologySpreadConstraints": "topologyKey", "containerStatuses": "name",
+    "containers": "name", "initContainers": "name", "ephemeralContainers": "name",
+    "containerStatuses": "name", "env": "name", "volumes": "name", "volumeMounts": "mountPath",
+    "conditions": "type", "imagePullSecrets": "name", "ownerReferences": "uid",
+    "hostAliases": "ip", "addresses": "type", "topologySpreadConstraints": "topologyKey",
 }
 _MERGED_PRIMITIVE_LISTS = {"finalizers"}
 
@@ -286,7 +291,8 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
 
 def _list_merge_key(field: str, items: list[Any]) -> str | None:
     if field == "ports":  # containers' ports merge by containerPort, a Service's by port
-        return "containerPort" if any("containerPort" in i for i in items if isinstance(i, dict)) else "port"
+        container = any(isinstance(item, dict) and "containerPort" in item for item in items)
+        return "containerPort" if container else "port"
     return _MERGE_KEYS.get(field)
 
 
@@ -295,7 +301,8 @@ def _merge_list(current: list[Any], patch: list[Any], key: str) -> list[Any]:
     for item in patch:
         if not isinstance(item, dict):
             return copy.deepcopy(patch)
-        index = next((i for i, old in enumerate(result) if isinstance(old, dict) and old.get(key) == item.get(key)), None)
+        index = next((i for i, old in enumerate(result)
+                      if isinstance(old, dict) and old.get(key) == item.get(key)), None)
         if item.get("$patch") == "delete":
             if index is not None:
                 del result[index]
@@ -319,7 +326,7 @@ _GENERATED = "bcdfghjklmnpqrstvwxz2456789"
 def _name_errors(resource: Resource, name: str) -> list[str]:
     if resource.plural == "services":
         ok = len(name) <= 63 and re.fullmatch(_DNS_1035, name)
-        rule = "a DNS-1035 label (lowercase letters, digits and '-', starting with a letter, at most 63)"
+        rule = "a DNS-1035 label (lowercase letters, digits and '-', from a letter, at most 63)"
     elif resource.plural == "namespaces":
         ok = len(name) <= 63 and re.fullmatch(_DNS_LABEL, name)
         rule = "a DNS-1123 label (lowercase letters, digits and '-', at most 63)"
@@ -339,8 +346,10 @@ def _key_errors(where: str, key: Any) -> list[str]:
     ok = (not prefix or (len(prefix) <= 253 and re.fullmatch(_DNS_SUBDOMAIN, prefix))) and (
         0 < len(name) <= 63 and re.fullmatch(_LABEL_VALUE, name)
     )
-    return [] if ok else [f"{where}: Invalid value: {key!r}: name part must consist of alphanumeric "
-                          "characters, '-', '_' or '.', at most 63, with an optional DNS subdomain prefix"]
+    if ok:
+        return []
+    return [f"{where}: Invalid value: {key!r}: name part must consist of alphanumeric characters, "
+            "'-', '_' or '.', at most 63, with an optional DNS subdomain prefix"]
 
 
 def _metadata_errors(resource: Resource, meta: Obj) -> list[str]:
@@ -348,9 +357,9 @@ def _metadata_errors(resource: Resource, meta: Obj) -> list[str]:
     for key, value in (meta.get("labels") or {}).items():
         errors += _key_errors("metadata.labels", key)
         if not isinstance(value, str) or len(value) > 63 or not re.fullmatch(_LABEL_VALUE, value):
-            errors.append(f"metadata.labels: Invalid value: {value!r}: a label value must be a string "
-                          "of at most 63 alphanumeric characters, '-', '_' or '.', starting and ending "
-                          "with an alphanumeric character")
+            errors.append(f"metadata.labels: Invalid value: {value!r}: a label value must be a "
+                          "string of at most 63 alphanumeric characters, '-', '_' or '.', "
+                          "starting and ending with an alphanumeric character")
     for key, value in (meta.get("annotations") or {}).items():
         errors += _key_errors("metadata.annotations", key)
         if not isinstance(value, str):
@@ -361,7 +370,8 @@ def _metadata_errors(resource: Resource, meta: Obj) -> list[str]:
             if not (isinstance(ref, dict) and ref.get(field)):
                 errors.append(f"metadata.ownerReferences[{index}].{field}: Required value")
     if sum(bool(isinstance(ref, dict) and ref.get("controller")) for ref in refs) > 1:
-        errors.append("metadata.ownerReferences: Invalid value: only one reference can have Controller set to true")
+        errors.append("metadata.ownerReferences: Invalid value: "
+                      "only one reference can have Controller set to true")
     return errors
 
 
@@ -377,7 +387,8 @@ def _quantity(value: Any) -> float:
 
 
 def _is_extended_resource(name: str) -> bool:
-    return "/" in name and not name.startswith(("kubernetes.io/", "requests.")) and "hugepages" not in name
+    native = name.startswith(("kubernetes.io/", "requests.")) or "hugepages" in name
+    return "/" in name and not native
 
 
 # ------------------------------------------------------------------------------------------------
@@ -402,7 +413,8 @@ class Emulator(kmock.KubernetesScaffold):
     _objects: dict[_Key, Obj] = attrs.field(factory=dict, init=False)
     _uids: dict[str, _Key] = attrs.field(factory=dict, init=False)
     _rv: int = attrs.field(default=0, init=False)
-    _changes: dict[tuple[str, str], collections.deque[_Change]] = attrs.field(factory=dict, init=False)
+    _changes: dict[tuple[str, str], collections.deque[_Change]] = attrs.field(
+        factory=dict, init=False)
     _compacted: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
     _changed: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     _closing: bool = attrs.field(default=False, init=False)
@@ -436,7 +448,8 @@ class Emulator(kmock.KubernetesScaffold):
         obj = self._objects.get(found.key(namespace, name))
         return self._output(found, obj) if obj is not None else None
 
-    def list(self, resource: str, namespace: str | None = None, labels: str | None = None) -> list[Obj]:
+    def list(self, resource: str, namespace: str | None = None,
+             labels: str | None = None) -> list[Obj]:
         """The stored objects of a resource, sorted by namespace and name."""
         found = self._resource(kmock.resource(resource))
         match = self._matcher(found, namespace, None, {"labelSelector": labels or ""})
@@ -463,10 +476,10 @@ class Emulator(kmock.KubernetesScaffold):
         try:
             request = await _parse_request(raw_request, len(self._requests))
             self._requests.append(request)
-            if len(self._requests) > 2 * self.history:  # a long-running server keeps the recent ones
+            if len(self._requests) > 2 * self.history:  # a long-lived server keeps the recent
                 del self._requests[: self.history]
             return await self._handle(request)
-        except rendering.StreamingError as exc:  # the response has started: end it with an ERROR event
+        except rendering.StreamingError as exc:  # a watch has started: end it with an ERROR
             raw_response = exc.args[0]
             self._record(exc.__cause__ or exc)
             await self._stream_error(exc.__cause__ or exc, raw_response)
@@ -488,7 +501,8 @@ class Emulator(kmock.KubernetesScaffold):
             exc = api_error(500, "InternalError", f"emulator failure: {exc!r}")
         return aiohttp.web.json_response({
             "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
-            "code": exc.status, "reason": exc.reason, "message": exc.message, "details": exc.details,
+            "code": exc.status, "reason": exc.reason, "message": exc.message,
+            "details": exc.details,
         }, status=exc.status)
 
     @staticmethod
@@ -496,6 +510,7 @@ class Emulator(kmock.KubernetesScaffold):
         return request.resource is not None and request.resource.plural is not None
 
     async def _serve(self, request: kmock.Request) -> kmock.Response:
+        """Every request to an object or a collection: dispatch by method and path."""
         assert request.resource is not None
         resource = self._resource(request.resource)
         ns, name, sub, params = request.namespace, request.name, request.subresource, request.params
@@ -505,32 +520,35 @@ class Emulator(kmock.KubernetesScaffold):
         if method == "GET" and params.get("watch") in ("true", "1"):
             return kmock.Response(status=200, payload=self._watch(resource, ns, name, params))
         if sub not in (None, "status") and not (resource.is_("", "pods") and sub == "binding"):
-            raise api_error(404, "NotFound", f"the server could not find the requested resource ({sub})")
+            raise api_error(404, "NotFound", f"the server could not find the requested resource "
+                            f"({sub})")
         if sub == "status" and "status" not in resource.subresources:
             raise api_error(404, "NotFound", f"{resource.qualified} have no status subresource")
         dry = params.get("dryRun") == "All"
         body = _body(request)
-        if method == "GET" and name is None:
-            return kmock.Response(status=200, payload=self._list(resource, ns, params))
+        status, payload = 200, None
         if method == "GET":
-            return kmock.Response(status=200, payload=self._output(resource, self._current(resource, ns, name)))
-        if method == "POST" and name is None:
+            payload = (self._list(resource, ns, params) if name is None
+                       else self._output(resource, self._current(resource, ns, name)))
+        elif method == "POST" and name is None:
             if resource.namespaced and ns is None:
-                raise api_error(405, "MethodNotAllowed", "create of a namespaced resource needs a namespace in the path")
-            return kmock.Response(status=201, payload=self._create(resource, ns, _object(body), dry=dry))
-        if method == "POST" and sub == "binding":
-            return kmock.Response(status=201, payload=self._bind(resource, ns, name, _object(body)))
-        if method == "PUT" and name is not None:
-            return kmock.Response(status=200, payload=self._replace(resource, ns, name, _object(body), sub, dry))
-        if method == "PATCH" and name is not None:
+                raise api_error(405, "MethodNotAllowed", "create namespaced objects in a namespace")
+            status, payload = 201, self._create(resource, ns, _object(body), dry=dry)
+        elif method == "POST" and sub == "binding":
+            status, payload = 201, self._bind(resource, ns, name, _object(body))
+        elif method == "PUT" and name is not None:
+            payload = self._replace(resource, ns, name, _object(body), sub, dry)
+        elif method == "PATCH" and name is not None:
             content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
-            return self._patch(resource, ns, name, body, content_type, sub, params, dry)
-        if method == "DELETE":
+            status, payload = self._patch(resource, ns, name, body, content_type, sub, params, dry)
+        elif method == "DELETE":
             options = {**(body if isinstance(body, dict) else {}), **params}
-            if name is None:
-                return kmock.Response(status=200, payload=self._delete_collection(resource, ns, params, options, dry))
-            return kmock.Response(status=200, payload=self._delete(resource, ns, name, options, dry))
-        raise api_error(405, "MethodNotAllowed", f"{method} is not supported here")
+            payload = (self._delete_collection(resource, ns, params, options, dry) if name is None
+                       else self._delete(resource, ns, name, options, dry))
+        else:
+            raise api_error(405, "MethodNotAllowed", f"{method} is not supported here")
+        # Always with a status: kmock keeps the last one given on the reaction for the next answer.
+        return kmock.Response(status=status, payload=payload)
 
     def _resource(self, key: kmock.resource) -> Resource:
         if key not in self.resources:
@@ -545,7 +563,7 @@ class Emulator(kmock.KubernetesScaffold):
 
     def _output(self, resource: Resource, obj: Obj, with_kind: bool = True) -> Obj:
         body = {k: copy.deepcopy(v) for k, v in obj.items() if k not in ("apiVersion", "kind")}
-        if not with_kind:  # built-in lists leave kind and apiVersion to the list, as a real server does
+        if not with_kind:  # lists of built-in kinds leave both to the list, as a real server does
             return body
         return {"apiVersion": resource.api_version, "kind": resource.kind, **body}
 
@@ -572,7 +590,8 @@ class Emulator(kmock.KubernetesScaffold):
             for sub in sorted(info.subresources):
                 binding = sub == "binding"
                 entries.append({
-                    "name": f"{key.plural}/{sub}", "singularName": "", "namespaced": bool(info.namespaced),
+                    "name": f"{key.plural}/{sub}", "singularName": "",
+                    "namespaced": bool(info.namespaced),
                     "kind": "Binding" if binding else info.kind,
                     "verbs": ["create"] if binding else ["get", "patch", "update"],
                 })
@@ -590,7 +609,8 @@ class Emulator(kmock.KubernetesScaffold):
 
         def match(obj: Obj) -> bool:
             meta = obj["metadata"]
-            return ((ns is None or meta.get("namespace") == ns) and (name is None or meta["name"] == name)
+            return ((ns is None or meta.get("namespace") == ns)
+                    and (name is None or meta["name"] == name)
                     and labels(meta.get("labels") or {}) and fields(obj))
 
         return match
@@ -598,7 +618,8 @@ class Emulator(kmock.KubernetesScaffold):
     def _select(self, resource: Resource, match: Callable[[Obj], bool]) -> list[Obj]:
         found = [obj for (group, plural, _, _), obj in self._objects.items()
                  if (group, plural) == (resource.group, resource.plural) and match(obj)]
-        return sorted(found, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+        return sorted(found, key=lambda o: (o["metadata"].get("namespace", ""),
+                                            o["metadata"]["name"]))
 
     def _list(self, resource: Resource, ns: str | None, params: Mapping[str, str]) -> Obj:
         items = self._select(resource, self._matcher(resource, ns, None, params))
@@ -610,7 +631,8 @@ class Emulator(kmock.KubernetesScaffold):
             meta["continue"] = str(end)
         return {
             "apiVersion": resource.api_version, "kind": f"{resource.kind}List", "metadata": meta,
-            "items": [self._output(resource, obj, with_kind=resource.custom) for obj in items[start:end]],
+            "items": [self._output(resource, obj, with_kind=resource.custom)
+                      for obj in items[start:end]],
         }
 
     async def _watch(self, resource: Resource, ns: str | None, name: str | None,
@@ -632,7 +654,8 @@ class Emulator(kmock.KubernetesScaffold):
                     "metadata": {"resourceVersion": str(position),
                                  "annotations": {"k8s.io/initial-events-end": "true"}}}}
         elif position < self._compacted.get(stream, 0):
-            yield _watch_error(410, "Expired", f"too old resource version: {position} ({self._compacted[stream]})")
+            oldest = self._compacted[stream]
+            yield _watch_error(410, "Expired", f"too old resource version: {position} ({oldest})")
             return
         while not self._closing:
             waiter = self._changed
@@ -653,14 +676,19 @@ class Emulator(kmock.KubernetesScaffold):
             except TimeoutError:
                 return
 
-    def _event(self, resource: Resource, change: _Change, match: Callable[[Obj], bool]) -> Obj | None:
+    def _event(self, resource: Resource, change: _Change,
+               match: Callable[[Obj], bool]) -> Obj | None:
+        """What a watch with this selector sees of a change: an object that enters the
+        selector is ADDED, one that leaves it is DELETED."""
         now = match(change.obj)
         was = change.old is not None and match(change.old)
         if change.type == "MODIFIED":
             kind = "MODIFIED" if now and was else "ADDED" if now else "DELETED" if was else None
         else:
             kind = change.type if now else None
-        return None if kind is None else {"type": kind, "object": self._output(resource, change.obj)}
+        if kind is None:
+            return None
+        return {"type": kind, "object": self._output(resource, change.obj)}
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -699,25 +727,21 @@ class Emulator(kmock.KubernetesScaffold):
             meta.pop("namespace", None)
         if not meta.get("name"):
             if not meta.get("generateName"):
-                raise self._invalid(resource, "", ["metadata.name: Required value: name or generateName is required"])
+                raise self._invalid(resource, "", [
+                    "metadata.name: Required value: name or generateName is required"])
             meta["name"] = meta["generateName"][:58] + "".join(random.choices(_GENERATED, k=5))
         name = meta["name"]
         if meta.get("resourceVersion"):
-            raise api_error(500, "InternalError", "resourceVersion should not be set on objects to be created")
+            raise api_error(500, "InternalError",
+                            "resourceVersion should not be set on objects to be created")
         for field in ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
                       "generation", "selfLink", "managedFields"):
             meta.pop(field, None)
         errors = _metadata_errors(resource, meta)
         if errors:
             raise self._invalid(resource, name, errors)
-        if resource.namespaced and ("", "namespaces", None, meta["namespace"]) not in self._objects:
-            raise api_error(404, "NotFound", f'namespaces "{meta["namespace"]}" not found',
-                            name=meta["namespace"], kind="namespaces")
-        terminating = resource.namespaced and self._objects[("", "namespaces", None, meta["namespace"])].get(
-            "status", {}).get("phase") == "Terminating"
-        if terminating:
-            raise api_error(403, "Forbidden", f'{resource.qualified} "{name}" is forbidden: unable to create '
-                            f'new content in namespace {meta["namespace"]} because it is being terminated')
+        if resource.namespaced:
+            self._check_namespace(resource, name, meta["namespace"])
         key = resource.key(meta.get("namespace"), name)
         if key in self._objects:
             raise api_error(409, "AlreadyExists", f'{resource.qualified} "{name}" already exists',
@@ -737,6 +761,16 @@ class Emulator(kmock.KubernetesScaffold):
             self._schedule_gc()  # a dangling owner makes the new object garbage at once
         return self._output(resource, stored)
 
+    def _check_namespace(self, resource: Resource, name: str, namespace: str) -> None:
+        found = self._objects.get(("", "namespaces", None, namespace))
+        if found is None:
+            raise api_error(404, "NotFound", f'namespaces "{namespace}" not found',
+                            name=namespace, kind="namespaces")
+        if found["status"].get("phase") == "Terminating":
+            raise api_error(403, "Forbidden", f'{resource.qualified} "{name}" is forbidden: unable '
+                            f"to create new content in namespace {namespace} because it is being "
+                            "terminated")
+
     def _replace(self, resource: Resource, ns: str | None, name: str, body: Obj, sub: str | None,
                  dry: bool) -> Obj:
         current = self._current(resource, ns, name)
@@ -744,20 +778,20 @@ class Emulator(kmock.KubernetesScaffold):
         self._check_preconditions(resource, current, body.get("metadata") or {})
         body_name = (body.get("metadata") or {}).get("name")
         if body_name and body_name != name:
-            raise api_error(400, "BadRequest", f"the name of the object ({body_name}) does not match "
-                            f"the name on the URL ({name})")
+            raise api_error(400, "BadRequest", f"the name of the object ({body_name}) does not "
+                            f"match the name on the URL ({name})")
         return self._update(resource, current, body, sub, dry)
 
     def _patch(self, resource: Resource, ns: str | None, name: str, body: Any, content_type: str,
-               sub: str | None, params: Mapping[str, str], dry: bool) -> kmock.Response:
+               sub: str | None, params: Mapping[str, str], dry: bool) -> tuple[int, Obj]:
         key = resource.key(ns, name)
         if content_type == APPLY:
             if not params.get("fieldManager"):
-                raise api_error(400, "BadRequest", "PatchOptions.meta.k8s.io is invalid: fieldManager: "
-                                "Required value: is required for apply patch")
+                raise api_error(400, "BadRequest", "PatchOptions.meta.k8s.io is invalid: "
+                                "fieldManager: Required value: is required for apply patch")
             body = _object(body)
             if key not in self._objects:
-                return kmock.Response(status=201, payload=self._create(resource, ns, body, dry=dry))
+                return 201, self._create(resource, ns, body, dry=dry)
         current = self._current(resource, ns, name)
         base = copy.deepcopy(current)
         if content_type == JSON_PATCH:
@@ -766,43 +800,49 @@ class Emulator(kmock.KubernetesScaffold):
             try:
                 patched = jsonpatch.apply_patch(base, body)
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
-                raise self._invalid(resource, name, [f"the JSON patch did not apply: {exc}"]) from None
+                raise self._invalid(resource, name, [f"the JSON patch did not apply: {exc}"]) \
+                    from None
         elif content_type in (MERGE, STRATEGIC, APPLY):
             if not isinstance(body, dict):
                 raise api_error(400, "BadRequest", "a merge patch must be a JSON object")
             if content_type == STRATEGIC and resource.custom:
-                raise api_error(415, "UnsupportedMediaType", f"the body of the request was in an unknown "
-                                f"format - accepted media types include: {JSON_PATCH}, {MERGE}, {APPLY}")
+                raise api_error(415, "UnsupportedMediaType", "the body of the request was in an "
+                                f"unknown format - accepted media types include: {JSON_PATCH}, "
+                                f"{MERGE}, {APPLY}")
             self._check_preconditions(resource, current, body.get("metadata") or {})
-            merge = merge_patch if resource.custom or content_type == MERGE else strategic_merge_patch
-            patched = merge(base, body)
+            strategic = content_type != MERGE and not resource.custom
+            patched = (strategic_merge_patch if strategic else merge_patch)(base, body)
         else:
-            raise api_error(415, "UnsupportedMediaType", f"unsupported patch type: {content_type!r}")
+            raise api_error(415, "UnsupportedMediaType", f"unknown patch type {content_type!r}")
         if not isinstance(patched, dict):
             raise self._invalid(resource, name, ["the patched object is not a JSON object"])
-        return kmock.Response(status=200, payload=self._update(resource, current, patched, sub, dry))
+        return 200, self._update(resource, current, patched, sub, dry)
 
     def _check_type(self, resource: Resource, obj: Obj) -> None:
         if not isinstance(obj, dict):
             raise api_error(400, "BadRequest", "the body must be a JSON object")
         api_version, kind = obj.get("apiVersion"), obj.get("kind")
-        if (api_version and api_version != resource.api_version) or (kind and kind != resource.kind):
-            raise api_error(400, "BadRequest", f"the API version in the data ({api_version}) or its kind "
-                            f"({kind}) does not match the expected ({resource.api_version}, {resource.kind})")
+        if api_version not in (None, "", resource.api_version) or kind not in (
+                None, "", resource.kind):
+            raise api_error(400, "BadRequest", f"the API version in the data ({api_version}) or "
+                            f"its kind ({kind}) does not match the expected "
+                            f"({resource.api_version}, {resource.kind})")
 
     def _check_preconditions(self, resource: Resource, current: Obj, meta: Obj) -> None:
         name = current["metadata"]["name"]
         rv, uid = meta.get("resourceVersion"), meta.get("uid")
+        failed = f'Operation cannot be fulfilled on {resource.qualified} "{name}": '
         if uid and uid != current["metadata"]["uid"]:
-            raise api_error(409, "Conflict", f"Operation cannot be fulfilled on {resource.qualified} "
-                            f'"{name}": Precondition failed: UID in precondition: {uid}, UID in object '
-                            f'meta: {current["metadata"]["uid"]}', name=name, kind=resource.plural)
+            raise api_error(409, "Conflict", f"{failed}Precondition failed: UID in precondition: "
+                            f'{uid}, UID in object meta: {current["metadata"]["uid"]}',
+                            name=name, group=resource.group, kind=resource.plural)
         if rv and rv != current["metadata"]["resourceVersion"]:
-            raise api_error(409, "Conflict", f'Operation cannot be fulfilled on {resource.qualified} "{name}": '
-                            "the object has been modified; please apply your changes to the latest "
-                            "version and try again", name=name, group=resource.group, kind=resource.plural)
+            raise api_error(409, "Conflict", f"{failed}the object has been modified; please apply "
+                            "your changes to the latest version and try again",
+                            name=name, group=resource.group, kind=resource.plural)
 
-    def _update(self, resource: Resource, current: Obj, candidate: Obj, sub: str | None, dry: bool) -> Obj:
+    def _update(self, resource: Resource, current: Obj, candidate: Obj, sub: str | None,
+                dry: bool) -> Obj:
         """Turn a client's full object into the next stored state and commit it."""
         name = current["metadata"]["name"]
         if sub == "status":
@@ -826,55 +866,70 @@ class Emulator(kmock.KubernetesScaffold):
                 else:
                     meta.pop(field, None)
             errors = _metadata_errors(resource, meta)
-            added = set(meta.get("finalizers") or ()) - set(current["metadata"].get("finalizers") or ())
+            added = set(meta.get("finalizers") or ()) - set(
+                current["metadata"].get("finalizers") or ())
             if current["metadata"].get("deletionTimestamp") and added:
-                errors.append(f"metadata.finalizers: Forbidden: no new finalizers can be added if the "
-                              f"object is being deleted, found new finalizers {sorted(added)}")
+                errors.append("metadata.finalizers: Forbidden: no new finalizers can be added if "
+                              f"the object is being deleted, found new finalizers {sorted(added)}")
             if errors:
                 raise self._invalid(resource, name, errors)
         new["apiVersion"], new["kind"] = current["apiVersion"], current["kind"]
         self._admit(resource, new, current)
         if _without_rv(new) == _without_rv(current):
             return self._output(resource, current)  # a no-op write changes nothing
-        ignored = ("metadata", "status") if "status" in resource.subresources else ("metadata",)
-        if {k: v for k, v in new.items() if k not in ignored} != {k: v for k, v in current.items() if k not in ignored}:
+        if _spec_part(resource, new) != _spec_part(resource, current):
             new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
         if dry:
             return self._output(resource, new)
         key = resource.key(current["metadata"].get("namespace"), name)
         stored = self._commit(resource, key, "MODIFIED", new, current)
         self._after_update(resource, current, stored)
-        if stored["metadata"].get("deletionTimestamp") and not stored["metadata"].get("finalizers"):
+        meta = stored["metadata"]
+        if meta.get("deletionTimestamp") and not meta.get("finalizers") \
+                and not meta.get("deletionGracePeriodSeconds"):  # the last finalizer is gone
             return self._output(resource, self._remove(resource, key))
         return self._output(resource, stored)
 
-    def _delete(self, resource: Resource, ns: str | None, name: str, options: Mapping[str, Any], dry: bool) -> Obj:
+    def _delete(self, resource: Resource, ns: str | None, name: str, options: Mapping[str, Any],
+                dry: bool) -> Obj:
+        """DELETE: at once, or marked with a deletionTimestamp while finalizers, a namespace's
+        contents or a running pod's graceful termination (the kubelet's part) hold it."""
         current = self._current(resource, ns, name)
-        preconditions = options.get("preconditions") or {}
-        self._check_preconditions(resource, current, preconditions if isinstance(preconditions, dict) else {})
+        preconditions = options.get("preconditions")
+        if isinstance(preconditions, dict):
+            self._check_preconditions(resource, current, preconditions)
         if dry:
             return self._output(resource, current)
         key = resource.key(ns, name)
-        policy = options.get("propagationPolicy") or ("Orphan" if options.get("orphanDependents") else "Background")
-        if policy == "Orphan":
+        if options.get("propagationPolicy") == "Orphan" or options.get("orphanDependents"):
             self._orphan(current["metadata"]["uid"])
-        if current["metadata"].get("deletionTimestamp"):
-            return self._output(resource, current)
+        meta = current["metadata"]
+        grace = _grace_period(resource, current, options)
+        if meta.get("deletionTimestamp"):
+            if grace or not meta.get("deletionGracePeriodSeconds"):
+                return self._output(resource, current)
+            if not meta.get("finalizers"):  # forced, or the kubelet is done with it
+                return self._output(resource, self._remove(resource, key))
+            shortened = copy.deepcopy(current)
+            shortened["metadata"]["deletionGracePeriodSeconds"] = 0
+            shortened = self._commit(resource, key, "MODIFIED", shortened, current)
+            return self._output(resource, shortened)
         namespace = resource.is_("", "namespaces")
-        if current["metadata"].get("finalizers") or namespace:
-            marked = copy.deepcopy(current)
-            marked["metadata"]["deletionTimestamp"] = now_rfc3339()
-            marked["metadata"]["deletionGracePeriodSeconds"] = 0
-            if namespace:
-                marked["status"] = {"phase": "Terminating"}
-            marked = self._commit(resource, key, "MODIFIED", marked, current)
-            if namespace:  # the namespace controller's work: empty it, then let it go
-                for other in [k for k in self._objects if k[2] == name]:
-                    if other in self._objects:
-                        self._delete(self._resource_of(other), other[2], other[3], {}, False)
-                marked = self._finish_namespace(name) or marked
-            return self._output(resource, marked)
-        return self._output(resource, self._remove(resource, key))
+        if not (meta.get("finalizers") or namespace or grace):
+            return self._output(resource, self._remove(resource, key))
+        marked = copy.deepcopy(current)
+        when = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=grace)
+        marked["metadata"]["deletionTimestamp"] = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+        marked["metadata"]["deletionGracePeriodSeconds"] = grace
+        if namespace:
+            marked["status"] = {"phase": "Terminating"}
+        marked = self._commit(resource, key, "MODIFIED", marked, current)
+        if namespace:  # the namespace controller's work: empty it, then let it go
+            for other in [k for k in self._objects if k[2] == name]:
+                if other in self._objects:
+                    self._delete(self._resource_of(other), other[2], other[3], {}, False)
+            marked = self._finish_namespace(name) or marked
+        return self._output(resource, marked)
 
     def _finish_namespace(self, name: str) -> Obj | None:
         """Remove a terminating namespace once nothing is left in it."""
@@ -889,8 +944,8 @@ class Emulator(kmock.KubernetesScaffold):
     def _delete_collection(self, resource: Resource, ns: str | None, params: Mapping[str, str],
                            options: Mapping[str, Any], dry: bool) -> Obj:
         victims = self._select(resource, self._matcher(resource, ns, None, params))
-        items = [self._delete(resource, obj["metadata"].get("namespace"), obj["metadata"]["name"], options, dry)
-                 for obj in victims]
+        items = [self._delete(resource, o["metadata"].get("namespace"), o["metadata"]["name"],
+                              options, dry) for o in victims]
         return {"apiVersion": resource.api_version, "kind": f"{resource.kind}List",
                 "metadata": {"resourceVersion": str(self._rv)}, "items": items}
 
@@ -948,12 +1003,13 @@ class Emulator(kmock.KubernetesScaffold):
     # -- admission: what a default cluster's server does per kind -------------------------------
 
     def _invalid(self, resource: Resource, name: str, errors: list[str]) -> kmock.KubernetesError:
-        return api_error(422, "Invalid", f'{resource.kind}.{resource.group or "core"} "{name}" is invalid: '
+        group = resource.group or "core"
+        return api_error(422, "Invalid", f'{resource.kind}.{group} "{name}" is invalid: '
                          + "; ".join(errors), name=name, group=resource.group, kind=resource.kind,
-                         causes=[{"message": e} for e in errors])
+                         causes=[{"message": error} for error in errors])
 
     def _admit(self, resource: Resource, obj: Obj, old: Obj | None) -> None:
-        name = obj["metadata"]["name"]
+        """Default and validate an object about to be stored (``old``: its current state)."""
         errors: list[str] = []
         if resource.custom:
             schema = self._schemas[(resource.group, resource.version, resource.plural)]
@@ -963,16 +1019,16 @@ class Emulator(kmock.KubernetesScaffold):
         elif resource.is_("", "services"):
             errors = self._admit_service(obj, old)
         elif resource.is_("", "namespaces"):
-            obj.setdefault("status", {})["phase"] = (old or {}).get("status", {}).get("phase", "Active")
+            phase = (old or {}).get("status", {}).get("phase", "Active")
+            obj.setdefault("status", {})["phase"] = phase
         elif resource.is_("apiextensions.k8s.io", "customresourcedefinitions"):
             errors = _crd_errors(obj)
             obj["status"] = _crd_status(obj)
         if errors:
-            raise self._invalid(resource, name, errors)
+            raise self._invalid(resource, obj["metadata"]["name"], errors)
 
     def _admit_pod(self, pod: Obj, old: Obj | None) -> list[str]:
         spec = pod.setdefault("spec", {})
-        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
         _default_pod(spec)
         if old is not None:
             for field in ("priority", "priorityClassName"):  # set by admission at creation
@@ -980,34 +1036,33 @@ class Emulator(kmock.KubernetesScaffold):
                     spec.setdefault(field, old["spec"][field])
             return _pod_update_errors(old, pod)
         pod["status"] = {"phase": "Pending", "qosClass": _qos_class(spec)}
-        account = spec["serviceAccountName"]
+        self._check_service_account(pod)
+        self._set_priority(pod)
+        return _pod_errors(spec)
+
+    def _check_service_account(self, pod: Obj) -> None:
+        name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        account = pod["spec"]["serviceAccountName"]
         if ("", "serviceaccounts", ns, account) not in self._objects:
-            raise api_error(403, "Forbidden", f'pods "{name}" is forbidden: error looking up service account '
-                            f'{ns}/{account}: serviceaccount "{account}" not found')
-        classes = [o for (g, p, _, _), o in self._objects.items() if (g, p) == ("scheduling.k8s.io", "priorityclasses")]
+            raise api_error(403, "Forbidden", f'pods "{name}" is forbidden: error looking up '
+                            f'service account {ns}/{account}: serviceaccount "{account}" not found')
+
+    def _set_priority(self, pod: Obj) -> None:
+        """The Priority admission plugin: ``spec.priority`` from the named PriorityClass (or the
+        global default); an unknown class refuses the pod."""
+        spec = pod["spec"]
+        classes = {key[3]: obj for key, obj in self._objects.items()
+                   if key[:2] == ("scheduling.k8s.io", "priorityclasses")}
         wanted = spec.get("priorityClassName")
-        if wanted:
-            found = [c for c in classes if c["metadata"]["name"] == wanted]
-            if not found:
-                raise api_error(403, "Forbidden", f'pods "{name}" is forbidden: no PriorityClass with name '
-                                f"{wanted} was found")
-            spec["priority"] = found[0]["value"]
+        if wanted is None:
+            wanted = next((name for name, c in classes.items() if c.get("globalDefault")), None)
+        if wanted is None:
+            spec["priority"] = 0
+        elif wanted in classes:
+            spec["priorityClassName"], spec["priority"] = wanted, classes[wanted]["value"]
         else:
-            default = [c for c in classes if c.get("globalDefault")]
-            spec["priority"] = default[0]["value"] if default else 0
-            if default:
-                spec["priorityClassName"] = default[0]["metadata"]["name"]
-        errors = []
-        containers = spec.get("containers") or []
-        if not containers:
-            errors.append("spec.containers: Required value")
-        for index, container in enumerate([*containers, *(spec.get("initContainers") or [])]):
-            errors += _container_errors(f"spec.containers[{index}]", container)
-        if len({c.get("name") for c in containers}) != len(containers):
-            errors.append("spec.containers: Duplicate value: container names must be unique")
-        if spec.get("nodeName") is not None and not isinstance(spec["nodeName"], str):
-            errors.append("spec.nodeName: Invalid value: must be a string")
-        return errors
+            raise api_error(403, "Forbidden", f'pods "{pod["metadata"]["name"]}" is forbidden: '
+                            f"no PriorityClass with name {wanted} was found")
 
     def _admit_service(self, service: Obj, old: Obj | None) -> list[str]:
         spec = service.setdefault("spec", {})
@@ -1025,7 +1080,7 @@ class Emulator(kmock.KubernetesScaffold):
             errors.append("spec.ports: Required value")
         for index, port in enumerate(ports):
             if not isinstance(port.get("port"), int) or not 0 < port["port"] < 65536:
-                errors.append(f"spec.ports[{index}].port: Invalid value: must be between 1 and 65535")
+                errors.append(f"spec.ports[{index}].port: Invalid value: must be in 1-65535")
             if len(ports) > 1 and not port.get("name"):
                 errors.append(f"spec.ports[{index}].name: Required value")
             port.setdefault("protocol", "TCP")
@@ -1033,7 +1088,7 @@ class Emulator(kmock.KubernetesScaffold):
         return errors
 
     def _after_create(self, resource: Resource, obj: Obj) -> None:
-        if resource.is_("", "namespaces"):
+        if resource.is_("", "namespaces"):  # the service account controller's work
             self.create({"apiVersion": "v1", "kind": "ServiceAccount",
                          "metadata": {"name": "default", "namespace": obj["metadata"]["name"]}})
         elif resource.is_("apiextensions.k8s.io", "customresourcedefinitions"):
@@ -1045,24 +1100,27 @@ class Emulator(kmock.KubernetesScaffold):
             self._register(new)
 
     def _bind(self, resource: Resource, ns: str | None, name: str, binding: Obj) -> Obj:
-        """``pods/binding``: what the scheduler posts; sets spec.nodeName once, and PodScheduled."""
+        """``pods/binding``, what a scheduler posts: sets spec.nodeName once, and PodScheduled."""
         pod = self._current(resource, ns, name)
         node = (binding.get("target") or {}).get("name")
         if not node:
             raise self._invalid(resource, name, ["target.name: Required value"])
+        failed = f'Operation cannot be fulfilled on pods/binding "{name}": '
         if pod["spec"].get("nodeName"):
-            raise api_error(409, "Conflict", f'Operation cannot be fulfilled on pods/binding "{name}": '
-                            f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
+            raise api_error(409, "Conflict", f"{failed}pod {name} is already assigned to node "
+                            f'"{pod["spec"]["nodeName"]}"')
         if pod["metadata"].get("deletionTimestamp"):
-            raise api_error(409, "Conflict", f'pod {name} is being deleted, cannot be assigned to a host')
+            raise api_error(409, "Conflict", f"{failed}pod {name} is being deleted")
         bound = copy.deepcopy(pod)
         bound["spec"]["nodeName"] = node
-        conditions = [c for c in bound.setdefault("status", {}).get("conditions", []) if c.get("type") != "PodScheduled"]
-        conditions.append({"type": "PodScheduled", "status": "True", "lastProbeTime": None,
-                           "lastTransitionTime": now_rfc3339()})
-        bound["status"]["conditions"] = conditions
+        status = bound.setdefault("status", {})
+        scheduled = {"type": "PodScheduled", "status": "True", "lastProbeTime": None,
+                     "lastTransitionTime": now_rfc3339()}
+        others = [c for c in status.get("conditions", []) if c.get("type") != "PodScheduled"]
+        status["conditions"] = [*others, scheduled]
         self._commit(resource, resource.key(ns, name), "MODIFIED", bound, pod)
-        return {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Success", "code": 201}
+        return {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Success",
+                "code": 201}
 
     # -- custom resources -----------------------------------------------------------------------
 
@@ -1101,7 +1159,27 @@ def _orphaned_resource(obj: Obj, spec: Obj) -> Resource:
     """A custom resource's descriptor after its CRD is gone, to record its deletion."""
     group, _, version = obj["apiVersion"].rpartition("/")
     return Resource(group=group, version=version, plural=spec["names"]["plural"], kind=obj["kind"],
-                    namespaced=spec.get("scope") == "Namespaced", subresources=frozenset(), custom=True)
+                    namespaced=spec.get("scope") == "Namespaced", subresources=frozenset(),
+                    custom=True)
+
+
+def _grace_period(resource: Resource, obj: Obj, options: Mapping[str, Any]) -> int:
+    """Seconds a deletion waits for the kubelet: only pods bound to a node and not finished
+    have one (``gracePeriodSeconds`` in the options, else the pod's own)."""
+    if not resource.is_("", "pods"):
+        return 0
+    finished = obj.get("status", {}).get("phase") in ("Succeeded", "Failed")
+    if finished or not obj["spec"].get("nodeName"):
+        return 0
+    asked = options.get("gracePeriodSeconds")
+    return int(asked if asked is not None else obj["spec"].get("terminationGracePeriodSeconds", 30))
+
+
+def _spec_part(resource: Resource, obj: Obj) -> Obj:
+    """What ``metadata.generation`` counts changes of: all but metadata (and status where it is
+    a subresource)."""
+    ignored = ("metadata", "status") if "status" in resource.subresources else ("metadata",)
+    return {key: value for key, value in obj.items() if key not in ignored}
 
 
 def _without_rv(obj: Obj) -> Obj:
@@ -1125,13 +1203,27 @@ def _default_pod(spec: Obj) -> None:
 
 
 def _qos_class(spec: Obj) -> str:
-    resources = [c.get("resources") or {} for c in spec.get("containers") or [] if isinstance(c, dict)]
-    if not any(r.get("requests") or r.get("limits") for r in resources):
+    containers = [c for c in spec.get("containers") or [] if isinstance(c, dict)]
+    resources = [(c["resources"].get("limits") or {}, c["resources"].get("requests") or {})
+                 for c in containers]
+    if not any(limits or requests for limits, requests in resources):
         return "BestEffort"
-    guaranteed = all(
-        (r.get("limits") or {}).get(kind) is not None and (r.get("limits") or {}).get(kind) == (r.get("requests") or {}).get(kind)
-        for r in resources for kind in ("cpu", "memory"))
+    guaranteed = all(limits.get(kind) is not None and limits.get(kind) == requests.get(kind)
+                     for limits, requests in resources for kind in ("cpu", "memory"))
     return "Guaranteed" if guaranteed else "Burstable"
+
+
+def _pod_errors(spec: Obj) -> list[str]:
+    errors = []
+    containers = spec.get("containers") or []
+    if not containers:
+        errors.append("spec.containers: Required value")
+    for field in ("containers", "initContainers"):
+        for index, container in enumerate(spec.get(field) or []):
+            errors += _container_errors(f"spec.{field}[{index}]", container)
+    if len({c.get("name") for c in containers if isinstance(c, dict)}) != len(containers):
+        errors.append("spec.containers: Duplicate value: container names must be unique")
+    return errors
 
 
 def _container_errors(where: str, container: Any) -> list[str]:
@@ -1139,7 +1231,8 @@ def _container_errors(where: str, container: Any) -> list[str]:
         return [f"{where}: Invalid value: must be an object"]
     errors = []
     if not container.get("name") or not re.fullmatch(_DNS_LABEL, str(container["name"])):
-        errors.append(f"{where}.name: Invalid value: {container.get('name')!r}: must be a DNS-1123 label")
+        errors.append(f"{where}.name: Invalid value: {container.get('name')!r}: "
+                      "must be a DNS-1123 label")
     if not container.get("image"):
         errors.append(f"{where}.image: Required value")
     resources = container.get("resources") or {}
@@ -1160,7 +1253,8 @@ def _container_errors(where: str, container: Any) -> list[str]:
             errors.append(f"{where}.resources.requests: Invalid value: {value!r}: must be equal to "
                           f"{resource} limit of {limits[resource]}")
         elif not re.fullmatch(r"\d+", str(value)):
-            errors.append(f"{where}.resources.requests[{resource}]: Invalid value: {value!r}: must be an integer")
+            errors.append(f"{where}.resources.requests[{resource}]: Invalid value: {value!r}: "
+                          "must be an integer")
     return errors
 
 
@@ -1177,8 +1271,9 @@ def _pod_update_errors(old: Obj, new: Obj) -> list[str]:
 
     if mutable_removed(new.get("spec") or {}) == mutable_removed(old.get("spec") or {}):
         return []
-    return ["spec: Forbidden: pod updates may not change fields other than `spec.containers[*].image`, "
-            "`spec.initContainers[*].image`, `spec.activeDeadlineSeconds`, `spec.tolerations` (only "
+    return ["spec: Forbidden: pod updates may not change fields other than "
+            "`spec.containers[*].image`, `spec.initContainers[*].image`, "
+            "`spec.activeDeadlineSeconds`, `spec.tolerations` (only "
             "additions to existing tolerations) or `spec.schedulingGates`; spec.nodeName is set by "
             "pods/binding"]
 
@@ -1201,7 +1296,8 @@ def _crd_errors(crd: Obj) -> list[str]:
     if spec["scope"] not in ("Namespaced", "Cluster"):
         errors.append(f"spec.scope: Unsupported value: {spec['scope']!r}")
     if sum(bool(v.get("storage")) for v in spec["versions"]) != 1:
-        errors.append("spec.versions: Invalid value: must have exactly one version marked as storage version")
+        errors.append("spec.versions: Invalid value: must have exactly one version marked as "
+                      "storage version")
     return errors
 
 
@@ -1221,8 +1317,9 @@ def _crd_status(crd: Obj) -> Obj:
 
 
 def _watch_error(code: int, reason: str, message: str) -> Obj:
-    return {"type": "ERROR", "object": {"apiVersion": "v1", "kind": "Status", "metadata": {},
-                                        "status": "Failure", "code": code, "reason": reason, "message": message}}
+    status = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+              "code": code, "reason": reason, "message": message}
+    return {"type": "ERROR", "object": status}
 
 
 def _body(request: kmock.Request) -> Any:
@@ -1320,10 +1417,11 @@ def write_kubeconfig(path: str | Path, url: str, namespace: str = "default") -> 
     path = Path(path)
     config = {
         "apiVersion": "v1", "kind": "Config", "current-context": "tidal-emulator",
-        "clusters": [{"name": "tidal-emulator", "cluster": {"server": url, "insecure-skip-tls-verify": True}}],
+        "clusters": [{"name": "tidal-emulator",
+                      "cluster": {"server": url, "insecure-skip-tls-verify": True}}],
         "users": [{"name": "tidal", "user": {"token": "tidal-emulator"}}],
-        "contexts": [{"name": "tidal-emulator",
-                      "context": {"cluster": "tidal-emulator", "user": "tidal", "namespace": namespace}}],
+        "contexts": [{"name": "tidal-emulator", "context": {
+            "cluster": "tidal-emulator", "user": "tidal", "namespace": namespace}}],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))

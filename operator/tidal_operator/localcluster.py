@@ -10,9 +10,10 @@ without binding a pod twice or losing a pod's start time.
   already bound there, in the kube-scheduler's order (higher priority first, then oldest);
   a pod that fits nowhere gets ``PodScheduled=False``, reason ``Unschedulable``, as the
   operator watches for. ``spec.nodeSelector`` is honoured; taints and other resources are not.
-- :class:`Kubelet` marks bound pods Running (with a start time and ready containers), and a
-  pod annotated ``tidal.dev/duration-seconds`` Succeeded once it has run that long, so a
-  non-elastic job holds its GPUs for its duration and then frees them.
+- :class:`Kubelet` marks bound pods Running (with a start time and ready containers), a pod
+  annotated ``tidal.dev/duration-seconds`` Succeeded once it has run that long (so a
+  non-elastic job holds its GPUs for its duration and then frees them), and removes deleted
+  pods at the start of their grace period (until then they hold their GPUs, as in a cluster).
 
 ``await run(url)`` runs both until cancelled; from synchronous code,
 ``EmulatorThread.submit(run(url))`` returns a future whose ``cancel()`` stops it.
@@ -59,15 +60,17 @@ class ClusterApi:
 
     async def request(self, method: str, path: str, body: Any = None, ok: Iterable[int] = (),
                       headers: dict[str, str] | None = None) -> tuple[int, Any]:
-        """Send one request; an error status not in ``ok`` raises ``aiohttp.ClientResponseError``."""
+        """Send one request; an error status not in ``ok`` raises ClientResponseError."""
         assert self._session is not None, "use ClusterApi as an async context manager"
         data = None if body is None else json.dumps(body)
-        async with self._session.request(method, self.url + path, data=data,
-                                         headers=headers or {"Content-Type": "application/json"}) as rsp:
+        headers = headers or {"Content-Type": "application/json"}
+        url = self.url + path
+        async with self._session.request(method, url, data=data, headers=headers) as rsp:
             payload = await rsp.json(content_type=None)
             if rsp.status >= 400 and rsp.status not in ok:
                 message = payload.get("message") if isinstance(payload, dict) else payload
-                raise aiohttp.ClientResponseError(rsp.request_info, (), status=rsp.status, message=str(message))
+                raise aiohttp.ClientResponseError(rsp.request_info, (), status=rsp.status,
+                                                  message=str(message))
             return rsp.status, payload
 
     async def items(self, path: str) -> list[Obj]:
@@ -79,7 +82,8 @@ class ClusterApi:
         await self.request("PATCH", path, {"status": status}, ok=(404,), headers=MERGE)
 
 
-def node_manifests(count: int, gpus_per_node: int, resource: str = GPU, prefix: str = "node") -> list[Obj]:
+def node_manifests(count: int, gpus_per_node: int, resource: str = GPU,
+                   prefix: str = "node") -> list[Obj]:
     """``count`` Ready nodes named ``{prefix}-{i}`` with ``gpus_per_node`` of ``resource``."""
     nodes = []
     for index in range(count):
@@ -95,14 +99,16 @@ def node_manifests(count: int, gpus_per_node: int, resource: str = GPU, prefix: 
     return nodes
 
 
-def register_nodes(url: str, count: int, gpus_per_node: int, resource: str = GPU, prefix: str = "node") -> list[str]:
+def register_nodes(url: str, count: int, gpus_per_node: int, resource: str = GPU,
+                   prefix: str = "node") -> list[str]:
     """Create the nodes of :func:`node_manifests` through the API at ``url`` (synchronously: do
     not call it from the emulator's own event loop; use :func:`create_nodes` there). Nodes that
     exist already are left as they are. Returns their names."""
     names = []
     for node in node_manifests(count, gpus_per_node, resource, prefix):
-        request = urllib.request.Request(f"{url.rstrip('/')}/api/v1/nodes", data=json.dumps(node).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(
+            f"{url.rstrip('/')}/api/v1/nodes", data=json.dumps(node).encode(), method="POST",
+            headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=30):
                 pass
@@ -126,8 +132,8 @@ def gpu_request(pod: Obj, resource: str = GPU) -> int:
     total = 0
     for container in pod.get("spec", {}).get("containers") or []:
         resources = container.get("resources") or {}
-        value = (resources.get("requests") or {}).get(resource, (resources.get("limits") or {}).get(resource, 0))
-        total += int(value)
+        limit = (resources.get("limits") or {}).get(resource, 0)
+        total += int((resources.get("requests") or {}).get(resource, limit))
     return total
 
 
@@ -139,7 +145,15 @@ def node_gpus(node: Obj, resource: str = GPU) -> int:
 def _ready(node: Obj) -> bool:
     conditions = (node.get("status") or {}).get("conditions") or []
     ready = [c for c in conditions if c.get("type") == "Ready"]
-    return not node.get("spec", {}).get("unschedulable") and (not ready or ready[0].get("status") == "True")
+    unschedulable = (node.get("spec") or {}).get("unschedulable")
+    return not unschedulable and (not ready or ready[0].get("status") == "True")
+
+
+def _queue_order(pod: Obj) -> tuple[int, str, str, str]:
+    """The kube-scheduler's queue: higher priority first, then the oldest."""
+    meta = pod["metadata"]
+    priority = pod["spec"].get("priority", 0)
+    return (-priority, meta["creationTimestamp"], meta["namespace"], meta["name"])
 
 
 def _now() -> str:
@@ -183,20 +197,18 @@ class Scheduler:
                    and p["spec"].get("schedulerName", SCHEDULER_NAME) == self.name
                    and p.get("status", {}).get("phase", "Pending") == "Pending"
                    and not p["metadata"].get("deletionTimestamp")]
-        pending.sort(key=lambda p: (-p["spec"].get("priority", 0), p["metadata"]["creationTimestamp"],
-                                    p["metadata"]["namespace"], p["metadata"]["name"]))
+        pending.sort(key=_queue_order)
         bound = []
         for pod in pending:
             wanted = gpu_request(pod, self.resource)
-            selector = pod["spec"].get("nodeSelector") or {}
-            fits = [n["metadata"]["name"] for n in nodes
-                    if free[n["metadata"]["name"]] >= wanted
-                    and selector.items() <= (n["metadata"].get("labels") or {}).items()]
+            selector = (pod["spec"].get("nodeSelector") or {}).items()
+            matching = [n for n in nodes if selector <= (n["metadata"].get("labels") or {}).items()]
+            fits = [n["metadata"]["name"] for n in matching
+                    if free[n["metadata"]["name"]] >= wanted]
             if fits and await self._bind(pod, fits[0]):
                 free[fits[0]] -= wanted
                 bound.append(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
             elif not fits:
-                matching = [n for n in nodes if selector.items() <= (n["metadata"].get("labels") or {}).items()]
                 await self._unschedulable(pod, len(nodes), len(matching))
         return bound
 
@@ -233,13 +245,26 @@ class Kubelet:
     async def step(self, now: datetime.datetime | None = None) -> None:
         now = now or datetime.datetime.now(datetime.UTC)
         for pod in await self.api.items("/api/v1/pods"):
-            if not pod["spec"].get("nodeName") or pod["metadata"].get("deletionTimestamp"):
+            if not pod["spec"].get("nodeName"):
+                continue
+            if pod["metadata"].get("deletionTimestamp"):
+                await self._terminated(pod)
                 continue
             phase = pod.get("status", {}).get("phase")
             if phase == "Pending":
                 await self.api.patch_status(pod, self._running(pod, now))
             elif phase == "Running" and self._done(pod, now):
                 await self.api.patch_status(pod, self._succeeded(pod, now))
+
+    async def _terminated(self, pod: Obj) -> None:
+        """A deleted pod's containers are gone at once: remove it (what a kubelet does once
+        the grace period's kill is over). Finalizers, if any, still hold it."""
+        if pod["metadata"].get("deletionGracePeriodSeconds"):
+            meta = pod["metadata"]
+            path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+            options = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
+                       "preconditions": {"uid": meta["uid"]}}
+            await self.api.request("DELETE", path, options, ok=(404, 409))
 
     @staticmethod
     def _done(pod: Obj, now: datetime.datetime) -> bool:
@@ -259,8 +284,8 @@ class Kubelet:
             "phase": "Running", "startTime": started, "hostIP": "127.0.0.1", "podIP": "127.0.0.1",
             "conditions": conditions,
             "containerStatuses": [
-                {"name": c["name"], "image": c.get("image", ""), "imageID": f"local://{c.get('image', '')}",
-                 "ready": True, "started": True,
+                {"name": c["name"], "image": c.get("image", ""),
+                 "imageID": f"local://{c.get('image', '')}", "ready": True, "started": True,
                  "restartCount": 0, "state": {"running": {"startedAt": started}}}
                 for c in pod["spec"].get("containers") or []],
         }
@@ -271,13 +296,15 @@ class Kubelet:
         status = pod.get("status") or {}
         conditions = status.get("conditions") or []
         for kind in ("ContainersReady", "Ready"):
-            conditions = _with_condition(conditions, {"type": kind, "status": "False", "reason": "PodCompleted"})
+            condition = {"type": kind, "status": "False", "reason": "PodCompleted"}
+            conditions = _with_condition(conditions, condition)
         return {
             "phase": "Succeeded", "conditions": conditions,
             "containerStatuses": [
                 {**c, "ready": False, "started": False,
                  "state": {"terminated": {"exitCode": 0, "reason": "Completed",
-                                          "startedAt": status.get("startTime"), "finishedAt": finished}}}
+                                          "startedAt": status.get("startTime"),
+                                          "finishedAt": finished}}}
                 for c in status.get("containerStatuses") or []],
         }
 

@@ -134,11 +134,13 @@ def _check_bounds(schema: Schema, value: Any, where: str, errors: list[str]) -> 
         fail(f"supported values: {', '.join(map(repr, schema['enum']))}")
     if isinstance(value, int | float) and not isinstance(value, bool):
         low, high = schema.get("minimum"), schema.get("maximum")
-        if low is not None and (value <= low if schema.get("exclusiveMinimum") else value < low):
-            fail(f"should be greater than {'' if schema.get('exclusiveMinimum') else 'or equal to '}{low}")
-        if high is not None and (value >= high if schema.get("exclusiveMaximum") else value > high):
-            fail(f"should be less than {'' if schema.get('exclusiveMaximum') else 'or equal to '}{high}")
-    sized = {str: ("Length", "characters"), list: ("Items", "items"), dict: ("Properties", "properties")}
+        low_open, high_open = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+        if low is not None and (value <= low if low_open else value < low):
+            fail(f"should be greater than {'' if low_open else 'or equal to '}{low}")
+        if high is not None and (value >= high if high_open else value > high):
+            fail(f"should be less than {'' if high_open else 'or equal to '}{high}")
+    sized = {str: ("Length", "characters"), list: ("Items", "items"),
+             dict: ("Properties", "properties")}
     for typ, (suffix, unit) in sized.items():
         if isinstance(value, typ):
             if len(value) < schema.get(f"min{suffix}", 0):
@@ -300,7 +302,8 @@ class _Parser:
             pred = self.ternary()
             self.take(")")
             test = all if name == "all" else any
-            return lambda env: test(_bool(pred({**env, var: item})) for item in _iterable(target(env)))
+            return lambda env: test(_bool(pred({**env, var: item}))
+                                    for item in _iterable(target(env)))
         args = self.arguments()
         methods: dict[str, Callable[..., Any]] = {
             "size": len,
@@ -436,7 +439,9 @@ def _binary(op: str, left: Expr, right: Expr) -> Expr:
             if b == 0:
                 raise CelError("modulus by zero")
             return a - b * int(a / b)
-        return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b}[op]()
+        operations = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b,
+                      "/": lambda: a / b}
+        return operations[op]()
 
     compare: dict[str, Callable[[Any, Any], Any]] = {
         "==": lambda a, b: a == b, "!=": lambda a, b: a != b,

@@ -21,15 +21,24 @@ import kmock
 import pytest
 import pytest_asyncio
 import yaml
+from lightkube import AsyncClient, Client, KubeConfig
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.core_v1 import Event, Node, Pod
+from lightkube.types import PatchType
 
-from tidal_operator.emulator import Emulator, label_selector, merge_patch, serve, strategic_merge_patch
-from tidal_operator.localcluster import (DURATION_ANNOTATION, ClusterApi, Kubelet, Scheduler, create_nodes,
-                                         register_nodes, run)
+from tidal_operator.emulator import (Emulator, label_selector, merge_patch, serve,
+                                     strategic_merge_patch, write_kubeconfig)
+from tidal_operator.localcluster import (DURATION_ANNOTATION, ClusterApi, Kubelet, Scheduler,
+                                         create_nodes, register_nodes, run)
 
 ROOT = Path(__file__).resolve().parents[2]
 ETJ = "/apis/tidal.dev/v1alpha1/namespaces/default/elastictrainingjobs"
+ETJ_RESOURCE = "tidal.dev/v1alpha1/elastictrainingjobs"
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 PODS = "/api/v1/namespaces/default/pods"
+SERVICES = "/api/v1/namespaces/default/services"
 MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
 
 CRD: dict[str, Any] = {
     "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
@@ -48,7 +57,9 @@ CRD: dict[str, Any] = {
                                        "max": {"type": "integer", "default": 8}},
                         "x-kubernetes-validations": [{
                             "rule": "self.min <= self.max", "message": "min must not exceed max",
-                            "messageExpression": "'min (' + string(self.min) + ') > max (' + string(self.max) + ')'"}],
+                            "messageExpression":
+                                "'min (' + string(self.min) + ') > max (' + string(self.max) + ')'",
+                        }],
                     },
                     "image": {"type": "string"},
                     "tags": {"type": "array", "items": {"type": "string"}},
@@ -69,10 +80,12 @@ def job(name: str = "j1", **spec: Any) -> dict[str, Any]:
             "metadata": {"name": name}, "spec": spec}
 
 
-def pod(name: str = "p1", gpus: int = 0, **meta: Any) -> dict[str, Any]:
+def pod(name: str = "p1", gpus: int = 0, spec: dict[str, Any] | None = None,
+        **meta: Any) -> dict[str, Any]:
     resources = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
+    container = {"name": "main", "image": "busybox", "resources": resources}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **meta},
-            "spec": {"containers": [{"name": "main", "image": "busybox", "resources": resources}]}}
+            "spec": {"containers": [container], **(spec or {})}}
 
 
 class Api:
@@ -81,10 +94,11 @@ class Api:
     def __init__(self, session: aiohttp.ClientSession) -> None:
         self.session = session
 
-    async def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                   expect: int | None = None) -> Any:
+    async def call(self, method: str, path: str, body: Any = None,
+                   content_type: str = "application/json", expect: int | None = None) -> Any:
         data = None if body is None else json.dumps(body)
-        async with self.session.request(method, path, data=data, headers={"Content-Type": content_type}) as rsp:
+        headers = {"Content-Type": content_type}
+        async with self.session.request(method, path, data=data, headers=headers) as rsp:
             payload = await rsp.json()
         if expect is not None:
             assert rsp.status == expect, payload
@@ -96,15 +110,16 @@ class Api:
     async def get(self, path: str, expect: int = 200) -> Any:
         return await self.call("GET", path, expect=expect)
 
-    async def patch(self, path: str, body: Any, content_type: str = MERGE, expect: int = 200) -> Any:
+    async def patch(self, path: str, body: Any, content_type: str = MERGE,
+                    expect: int = 200) -> Any:
         return await self.call("PATCH", path, body, content_type, expect=expect)
 
     async def delete(self, path: str, body: Any = None, expect: int = 200) -> Any:
         return await self.call("DELETE", path, body, expect=expect)
 
-    async def watch(self, path: str, **params: str) -> list[dict[str, Any]]:
+    async def watch(self, path: str, timeout: str = "0.2", **params: str) -> list[dict[str, Any]]:
         """The events of a watch that ends by its server-side timeout."""
-        query = {"watch": "true", "timeoutSeconds": "1", **params}
+        query = {"watch": "true", "timeoutSeconds": timeout, **params}
         async with self.session.get(path, params=query) as rsp:
             assert rsp.status == 200
             return [json.loads(line) async for line in rsp.content if line.strip()]
@@ -125,10 +140,10 @@ async def api(served):
 
 @pytest_asyncio.fixture
 async def crd(api):
-    await api.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", CRD)
+    await api.create(CRDS, CRD)
 
 
-# -- stamping, subresources, patches, conflicts -------------------------------------------------
+# -- stamping, subresources, patches, conflicts ---------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -148,7 +163,7 @@ async def test_writes_stamp_metadata_and_count_generations(api, crd):
     assert (respecced["metadata"]["uid"], respecced["metadata"]["creationTimestamp"]) == (
         meta["uid"], meta["creationTimestamp"])
     again = await api.patch(f"{ETJ}/j1", {"spec": {"image": "b"}})
-    assert again["metadata"]["resourceVersion"] == respecced["metadata"]["resourceVersion"]  # no-op
+    assert again["metadata"]["resourceVersion"] == respecced["metadata"]["resourceVersion"]
 
     generated = await api.create(PODS, pod(name="", generateName="worker-"))
     assert re.fullmatch(r"worker-[a-z0-9]{5}", generated["metadata"]["name"])
@@ -159,7 +174,8 @@ async def test_writes_stamp_metadata_and_count_generations(api, crd):
 async def test_status_subresource_separates_status_from_the_rest(api, crd):
     created = await api.create(ETJ, {**job(), "status": {"phase": "Running"}})
     assert "status" not in created  # a create does not write status
-    await api.patch(f"{ETJ}/j1/status", {"status": {"phase": "Pending", "workers": 2}, "spec": {"image": "x"}})
+    await api.patch(f"{ETJ}/j1/status", {"status": {"phase": "Pending", "workers": 2},
+                                         "spec": {"image": "x"}})
     await api.patch(f"{ETJ}/j1", {"status": {"phase": "Running"}, "spec": {"image": "y"}})
     stored = await api.get(f"{ETJ}/j1")
     assert stored["status"] == {"phase": "Pending", "workers": 2}
@@ -176,36 +192,42 @@ async def test_status_subresource_separates_status_from_the_rest(api, crd):
 async def test_merge_patch_deletes_with_null_and_replaces_lists(api, crd):
     await api.create(ETJ, job(image="a", tags=["x", "y"]))
     await api.patch(f"{ETJ}/j1/status", {"status": {"notes": {"a": 1, "b": {"c": 2, "d": 3}}}})
-    patched = await api.patch(f"{ETJ}/j1/status", {"status": {"notes": {"a": None, "b": {"c": None}}}})
+    deletions = {"status": {"notes": {"a": None, "b": {"c": None}}}}
+    patched = await api.patch(f"{ETJ}/j1/status", deletions)
     assert patched["status"]["notes"] == {"b": {"d": 3}}
     patched = await api.patch(f"{ETJ}/j1", {"spec": {"tags": ["z"], "image": None}})
     assert patched["spec"] == {"workers": {"min": 2, "max": 8}, "tags": ["z"]}
-    assert merge_patch({"a": [1, 2], "b": 1}, {"a": [3], "b": None, "c": {"d": None}}) == {"a": [3], "c": {}}
+    patch = {"a": [3], "b": None, "c": {"d": None}}
+    assert merge_patch({"a": [1, 2], "b": 1}, patch) == {"a": [3], "c": {}}
 
 
 @pytest.mark.asyncio
 async def test_json_patch_test_op_and_patch_types(api, crd):
     created = await api.create(ETJ, job(image="a"))
-    rv = created["metadata"]["resourceVersion"]
-    ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+    ops = [{"op": "test", "path": "/metadata/resourceVersion",
+            "value": created["metadata"]["resourceVersion"]},
            {"op": "add", "path": "/metadata/finalizers", "value": ["tidal.dev/x"]}]
     patched = await api.patch(f"{ETJ}/j1", ops, "application/json-patch+json")
     assert patched["metadata"]["finalizers"] == ["tidal.dev/x"]
     failed = await api.patch(f"{ETJ}/j1", ops, "application/json-patch+json", expect=422)
     assert failed["reason"] == "Invalid"  # kopf retries on 422 when its resourceVersion test fails
-    refused = await api.patch(f"{ETJ}/j1", {"spec": {}}, "application/strategic-merge-patch+json", expect=415)
+    refused = await api.patch(f"{ETJ}/j1", {"spec": {}}, STRATEGIC, expect=415)
     assert refused["reason"] == "UnsupportedMediaType"  # as for any custom resource
 
 
 def test_strategic_merge_patch_merges_lists_by_key():
-    spec = {"containers": [{"name": "a", "image": "1"}, {"name": "b", "image": "1"}], "tolerations": [{"key": "x"}]}
-    patch = {"containers": [{"name": "b", "image": "2"}, {"name": "c", "image": "3"}], "tolerations": [{"key": "y"}]}
+    spec = {"containers": [{"name": "a", "image": "1"}, {"name": "b", "image": "1"}],
+            "tolerations": [{"key": "x"}]}
+    patch = {"containers": [{"name": "b", "image": "2"}, {"name": "c", "image": "3"}],
+             "tolerations": [{"key": "y"}]}
     assert strategic_merge_patch(spec, patch) == {
-        "containers": [{"name": "a", "image": "1"}, {"name": "b", "image": "2"}, {"name": "c", "image": "3"}],
+        "containers": [{"name": "a", "image": "1"}, {"name": "b", "image": "2"},
+                       {"name": "c", "image": "3"}],
         "tolerations": [{"key": "y"}]}
     removed = strategic_merge_patch(spec, {"containers": [{"name": "a", "$patch": "delete"}]})
     assert [c["name"] for c in removed["containers"]] == ["b"]
-    meta = strategic_merge_patch({"finalizers": ["a"]}, {"finalizers": ["b"], "$deleteFromPrimitiveList/finalizers": ["a"]})
+    meta = strategic_merge_patch({"finalizers": ["a"]}, {
+        "finalizers": ["b"], "$deleteFromPrimitiveList/finalizers": ["a"]})
     assert meta == {"finalizers": ["b"]}
 
 
@@ -216,8 +238,9 @@ async def test_stale_resource_version_is_a_conflict(api, crd):
     stale = {**created, "spec": {**created["spec"], "image": "old"}}
     conflict = await api.call("PUT", f"{ETJ}/j1", stale, expect=409)
     assert conflict["reason"] == "Conflict"
-    await api.patch(f"{ETJ}/j1", {"metadata": {"resourceVersion": created["metadata"]["resourceVersion"]},
-                                  "spec": {"image": "old"}}, expect=409)
+    stale_patch = {"metadata": {"resourceVersion": created["metadata"]["resourceVersion"]},
+                   "spec": {"image": "old"}}
+    await api.patch(f"{ETJ}/j1", stale_patch, expect=409)
     current = await api.get(f"{ETJ}/j1")
     current["spec"]["image"] = "newer"
     assert (await api.call("PUT", f"{ETJ}/j1", current, expect=200))["spec"]["image"] == "newer"
@@ -229,8 +252,9 @@ async def test_stale_resource_version_is_a_conflict(api, crd):
 
 def test_label_selector_grammar():
     labels = {"app": "w", "tier": "gpu"}
-    cases = {"app=w": True, "app==w": True, "app!=w": False, "app": True, "!app": False, "!zone": True,
-             "tier in (gpu, cpu)": True, "tier notin (gpu)": False, "app=w,tier in (cpu)": False, "": True}
+    cases = {"app=w": True, "app==w": True, "app!=w": False, "app": True, "!app": False,
+             "!zone": True, "tier in (gpu, cpu)": True, "tier notin (gpu)": False,
+             "app=w,tier in (cpu)": False, "": True}
     assert {text: label_selector(text)(labels) for text in cases} == cases
     with pytest.raises(kmock.KubernetesError):
         label_selector("app===w")
@@ -241,7 +265,7 @@ async def test_list_filters_by_labels_and_fields(api):
     await api.create(PODS, pod("a", labels={"role": "worker", "job": "x"}))
     await api.create(PODS, pod("b", labels={"role": "worker", "job": "y"}))
     await api.create(PODS, pod("c"))
-    await api.call("POST", f"{PODS}/b/binding", {"target": {"kind": "Node", "name": "n1"}}, expect=201)
+    await api.call("POST", f"{PODS}/b/binding", {"target": {"name": "n1"}}, expect=201)
 
     async def names(query: str) -> list[str]:
         listing = await api.get(f"/api/v1/pods?{query}")
@@ -253,7 +277,8 @@ async def test_list_filters_by_labels_and_fields(api):
     assert await names("labelSelector=!role") == ["c"]
     assert await names("fieldSelector=spec.nodeName%3D") == ["a", "c"]
     assert await names("fieldSelector=spec.nodeName%3Dn1,status.phase%3DPending") == ["b"]
-    assert await names("fieldSelector=metadata.name!%3Da,metadata.namespace%3Ddefault") == ["b", "c"]
+    assert await names("fieldSelector=metadata.name!%3Da,metadata.namespace%3Ddefault") == [
+        "b", "c"]
     refused = await api.get("/api/v1/pods?fieldSelector=spec.priority%3D0", expect=400)
     assert "field label not supported" in refused["message"]
     page = await api.get("/api/v1/pods?limit=2")
@@ -265,42 +290,44 @@ async def test_list_filters_by_labels_and_fields(api):
 @pytest.mark.asyncio
 async def test_watch_resumes_filters_and_times_out(api, crd):
     first = await api.create(ETJ, job("a"))
+    since = first["metadata"]["resourceVersion"]
     await api.create(ETJ, job("b"))
     await api.patch(f"{ETJ}/a", {"metadata": {"labels": {"pick": "yes"}}})
     await api.patch(f"{ETJ}/a", {"metadata": {"labels": {"pick": "no"}}})
     await api.delete(f"{ETJ}/b")
 
     started = time.monotonic()
-    events = await api.watch(ETJ, resourceVersion=first["metadata"]["resourceVersion"])  # 1 s
-    assert 0.9 < time.monotonic() - started < 5  # timeoutSeconds=1 ends the stream
+    events = await api.watch(ETJ, timeout="1", resourceVersion=since)
+    assert 0.9 < time.monotonic() - started < 5  # timeoutSeconds ends the stream
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [
         ("ADDED", "b"), ("MODIFIED", "a"), ("MODIFIED", "a"), ("DELETED", "b")]
     versions = [int(e["object"]["metadata"]["resourceVersion"]) for e in events]
     assert versions == sorted(versions)
 
-    picked = await api.watch(ETJ, timeoutSeconds="0.2", resourceVersion=first["metadata"]["resourceVersion"], labelSelector="pick=yes")
+    picked = await api.watch(ETJ, resourceVersion=since, labelSelector="pick=yes")
     assert [e["type"] for e in picked] == ["ADDED", "DELETED"]  # in, then out of the selector
-    initial = await api.watch(ETJ, timeoutSeconds="0.2")  # no resourceVersion: the current state first
+    initial = await api.watch(ETJ)  # no resourceVersion: the current state first
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in initial] == [("ADDED", "a")]
-    streamed = await api.watch(ETJ, timeoutSeconds="0.2", sendInitialEvents="true", resourceVersionMatch="NotOlderThan")
+    streamed = await api.watch(ETJ, sendInitialEvents="true", resourceVersionMatch="NotOlderThan")
     assert [e["type"] for e in streamed] == ["ADDED", "BOOKMARK"]
 
 
 @pytest.mark.asyncio
 async def test_watch_delivers_live_events_and_410_after_compaction():
-    async with serve(emulator=Emulator(history=3)) as running, aiohttp.ClientSession(running.url) as session:
-        api = Api(session)
-        start = (await api.get(PODS))["metadata"]["resourceVersion"]
-        live = asyncio.create_task(api.watch(PODS, resourceVersion=start))
-        await asyncio.sleep(0.2)
-        for name in ("a", "b", "c", "d"):
-            await api.create(PODS, pod(name))
-        assert [e["object"]["metadata"]["name"] for e in await live] == ["a", "b", "c", "d"]
-        gone = await api.watch(PODS, timeoutSeconds="0.2", resourceVersion=start)
-        assert [(e["type"], e["object"]["code"]) for e in gone] == [("ERROR", 410)]
+    async with serve(emulator=Emulator(history=3)) as running:
+        async with aiohttp.ClientSession(running.url) as session:
+            api = Api(session)
+            start = (await api.get(PODS))["metadata"]["resourceVersion"]
+            live = asyncio.create_task(api.watch(PODS, timeout="1", resourceVersion=start))
+            await asyncio.sleep(0.2)
+            for name in ("a", "b", "c", "d"):
+                await api.create(PODS, pod(name))
+            assert [e["object"]["metadata"]["name"] for e in await live] == ["a", "b", "c", "d"]
+            gone = await api.watch(PODS, resourceVersion=start)
+            assert [(e["type"], e["object"]["code"]) for e in gone] == [("ERROR", 410)]
 
 
-# -- deletion: finalizers, owners, namespaces ---------------------------------------------------------
+# -- deletion: finalizers, owners, namespaces -----------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -310,9 +337,8 @@ async def test_owner_deletion_collects_dependents(api, crd):
            "uid": owner["metadata"]["uid"], "controller": True}
     await api.create(PODS, pod("w0", ownerReferences=[ref]))
     await api.create(PODS, pod("w1", ownerReferences=[ref], finalizers=["tidal.dev/drain"]))
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "j1", "ownerReferences": [ref]},
-               "spec": {"clusterIP": "None", "selector": {"job": "j1"}}}
-    await api.create("/api/v1/namespaces/default/services", service)
+    await api.create(SERVICES, {"metadata": {"name": "j1", "ownerReferences": [ref]},
+                                "spec": {"clusterIP": "None", "selector": {"job": "j1"}}})
     await api.create(PODS, pod("free"))
     await api.create(PODS, pod("dangling", ownerReferences=[{**ref, "uid": "no-such-uid"}]))
     await api.delete(f"{ETJ}/j1")
@@ -320,9 +346,8 @@ async def test_owner_deletion_collects_dependents(api, crd):
 
     names = [p["metadata"]["name"] for p in (await api.get(PODS))["items"]]
     assert names == ["free", "w1"]  # w1 waits for its finalizer
-    held = await api.get(f"{PODS}/w1")
-    assert held["metadata"]["deletionTimestamp"]
-    await api.get("/api/v1/namespaces/default/services/j1", expect=404)
+    assert (await api.get(f"{PODS}/w1"))["metadata"]["deletionTimestamp"]
+    await api.get(f"{SERVICES}/j1", expect=404)
     await api.patch(f"{PODS}/w1", {"metadata": {"finalizers": None}})
     await api.get(f"{PODS}/w1", expect=404)
 
@@ -346,14 +371,14 @@ async def test_namespace_deletion_empties_it(api):
     assert missing["message"] == 'namespaces "team" not found'
 
 
-# -- custom resources -------------------------------------------------------------------------------
+# -- custom resources -----------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
 async def test_crd_registers_its_resource_with_schema(api):
     await api.get(ETJ, expect=404)
-    await api.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", CRD)
-    crd = await api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/elastictrainingjobs.tidal.dev")
+    await api.create(CRDS, CRD)
+    crd = await api.get(f"{CRDS}/elastictrainingjobs.tidal.dev")
     assert {c["type"]: c["status"] for c in crd["status"]["conditions"]}["Established"] == "True"
     discovery = await api.get("/apis/tidal.dev/v1alpha1")
     entries = {r["name"]: r for r in discovery["resources"]}
@@ -363,7 +388,7 @@ async def test_crd_registers_its_resource_with_schema(api):
     assert any(g["name"] == "tidal.dev" for g in (await api.get("/apis"))["groups"])
 
     created = await api.create(ETJ, job(image="a", unknown=1, workers={"min": 3}))
-    assert created["spec"] == {"image": "a", "workers": {"min": 3, "max": 8}}  # pruned and defaulted
+    assert created["spec"] == {"image": "a", "workers": {"min": 3, "max": 8}}  # pruned, defaulted
     invalid = await api.create(ETJ, job("bad", workers={"min": 9, "max": 2}), expect=422)
     assert "spec.workers: Invalid value: min (9) > max (2)" in invalid["message"]
     invalid = await api.create(ETJ, job("bad", workers={"min": 0}, image=3), expect=422)
@@ -372,7 +397,7 @@ async def test_crd_registers_its_resource_with_schema(api):
     pruned = await api.patch(f"{ETJ}/j1/status", {"status": {"phase": "Running", "typo": 1}})
     assert pruned["status"] == {"phase": "Running"}  # a field missing from the schema vanishes
 
-    await api.delete("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/elastictrainingjobs.tidal.dev")
+    await api.delete(f"{CRDS}/elastictrainingjobs.tidal.dev")
     await api.get(ETJ, expect=404)
 
 
@@ -380,7 +405,8 @@ async def test_crd_registers_its_resource_with_schema(api):
 async def test_repository_crd_and_examples(served):
     """The CRD in crds/ registers, both example jobs pass its schema, a bad one does not."""
     emulator = served.emulator
-    for manifest in yaml.safe_load_all((ROOT / "crds" / "elastictrainingjobs.tidal.dev.yaml").read_text()):
+    crd_file = ROOT / "crds" / "elastictrainingjobs.tidal.dev.yaml"
+    for manifest in yaml.safe_load_all(crd_file.read_text()):
         emulator.create(manifest)
     for example in ("tiny.yaml", "elastic-small.yaml"):
         created = emulator.create(yaml.safe_load((ROOT / "examples" / example).read_text()))
@@ -388,49 +414,56 @@ async def test_repository_crd_and_examples(served):
     bad = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     bad["metadata"]["name"] = "bad"
     bad["spec"]["workers"] = {"min": 4, "max": 2}
-    with pytest.raises(kmock.KubernetesError, match="workers.min .4. must not exceed workers.max .2."):
+    with pytest.raises(kmock.KubernetesError,
+                       match=re.escape("workers.min (4) must not exceed workers.max (2)")):
         emulator.create(bad)
 
 
-# -- admission ---------------------------------------------------------------------------------------
+# -- admission ------------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
 async def test_pod_admission(api):
-    refused = await api.create(PODS, {**pod(), "spec": {**pod()["spec"], "priorityClassName": "tidal-elastic"}},
-                               expect=403)
+    elastic = {"priorityClassName": "tidal-elastic"}
+    refused = await api.create(PODS, pod(spec=elastic), expect=403)
     assert "no PriorityClass with name tidal-elastic" in refused["message"]
     await api.create("/apis/scheduling.k8s.io/v1/priorityclasses",
                      {"metadata": {"name": "tidal-elastic"}, "value": -10})
-    created = await api.create(PODS, {**pod(gpus=2), "spec": {**pod(gpus=2)["spec"], "priorityClassName": "tidal-elastic"}})
+    created = await api.create(PODS, pod(gpus=2, spec=elastic))
     assert created["spec"]["priority"] == -10
     assert created["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": 2}
+
     unequal = pod("p2")
-    unequal["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 1}, "requests": {"nvidia.com/gpu": 2}}
-    assert "must be equal to nvidia.com/gpu limit" in (await api.create(PODS, unequal, expect=422))["message"]
-    no_account = {**pod("p3"), "spec": {**pod()["spec"], "serviceAccountName": "tidal-worker"}}
-    assert "serviceaccount \"tidal-worker\" not found" in (await api.create(PODS, no_account, expect=403))["message"]
-    await api.create(PODS, pod("p4", labels={"job": "x" * 64}), expect=422)  # label values: 63 at most
+    unequal["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 1},
+                                                     "requests": {"nvidia.com/gpu": 2}}
+    refused = await api.create(PODS, unequal, expect=422)
+    assert "must be equal to nvidia.com/gpu limit" in refused["message"]
+    refused = await api.create(PODS, pod("p3", spec={"serviceAccountName": "tidal-worker"}),
+                               expect=403)
+    assert 'serviceaccount "tidal-worker" not found' in refused["message"]
+    await api.create(PODS, pod("p4", labels={"job": "x" * 64}), expect=422)  # 63 at most
     await api.create(PODS, pod("Upper"), expect=422)
 
-    await api.patch(f"{PODS}/p1", {"spec": {"nodeName": "n1"}}, expect=422)  # only pods/binding binds
-    await api.patch(f"{PODS}/p1", {"spec": {"containers": [{"name": "main", "image": "other"}]}},
-                    "application/strategic-merge-patch+json")  # images may change
+    await api.patch(f"{PODS}/p1", {"spec": {"nodeName": "n1"}}, expect=422)  # binding binds
+    images = {"spec": {"containers": [{"name": "main", "image": "other"}]}}
+    await api.patch(f"{PODS}/p1", images, STRATEGIC)  # images may change
     await api.call("POST", f"{PODS}/p1/binding", {"target": {"name": "n1"}}, expect=201)
     bound = await api.get(f"{PODS}/p1")
-    assert bound["spec"]["nodeName"] == "n1"
-    assert {"type": "PodScheduled", "status": "True"}.items() <= bound["status"]["conditions"][0].items()
+    assert (bound["spec"]["nodeName"], bound["spec"]["containers"][0]["image"]) == ("n1", "other")
+    scheduled = bound["status"]["conditions"][0]
+    assert (scheduled["type"], scheduled["status"]) == ("PodScheduled", "True")
     await api.call("POST", f"{PODS}/p1/binding", {"target": {"name": "n2"}}, expect=409)
 
 
 @pytest.mark.asyncio
 async def test_service_admission(api):
-    services = "/api/v1/namespaces/default/services"
-    await api.create(services, {"metadata": {"name": "1job"}, "spec": {"ports": [{"port": 80}]}}, expect=422)
-    await api.create(services, {"metadata": {"name": "job"}, "spec": {}}, expect=422)  # ports required
-    created = await api.create(services, {"metadata": {"name": "job"}, "spec": {"ports": [{"port": 80}]}})
+    port = {"ports": [{"port": 80}]}
+    await api.create(SERVICES, {"metadata": {"name": "1job"}, "spec": port}, expect=422)
+    await api.create(SERVICES, {"metadata": {"name": "job"}, "spec": {}}, expect=422)  # ports
+    created = await api.create(SERVICES, {"metadata": {"name": "job"}, "spec": port})
     assert created["spec"]["clusterIP"].startswith("10.")
-    headless = await api.create(services, {"metadata": {"name": "peers"}, "spec": {"clusterIP": "None"}})
+    headless = await api.create(SERVICES, {"metadata": {"name": "peers"},
+                                           "spec": {"clusterIP": "None"}})
     assert headless["spec"]["clusterIP"] == "None"
 
 
@@ -443,17 +476,13 @@ async def test_faults_can_be_injected_with_the_kmock_dsl(served, api):
     await api.get(f"{PODS}/p1")
 
 
-# -- running it, and real clients ---------------------------------------------------------------------
+# -- running it, and real clients -----------------------------------------------------------------
 
 
 def test_lightkube_round_trips(emulator):
-    from lightkube import Client, KubeConfig
-    from lightkube.generic_resource import create_namespaced_resource
-    from lightkube.resources.core_v1 import Event, Node, Pod
-    from lightkube.types import PatchType
-
     emulator.call(emulator.emulator.create, CRD)
-    Job = create_namespaced_resource("tidal.dev", "v1alpha1", "ElasticTrainingJob", "elastictrainingjobs")
+    Job = create_namespaced_resource("tidal.dev", "v1alpha1", "ElasticTrainingJob",
+                                     "elastictrainingjobs")
     client = Client(config=KubeConfig.from_file(emulator.kubeconfig), field_manager="tests")
     try:
         node = client.create(Node.from_dict({"metadata": {"name": "n1"},
@@ -464,7 +493,8 @@ def test_lightkube_round_trips(emulator):
         client.patch(Pod.Status, "w0", {"status": {"phase": "Running"}}, patch_type=PatchType.MERGE)
         assert [p.status.phase for p in client.list(Pod, labels={"job": "j1"})] == ["Running"]
         client.create(Event.from_dict({"metadata": {"generateName": "j1-"}, "reason": "ScaledUp",
-                                       "message": "2 -> 4", "involvedObject": {"kind": "Pod", "name": "w0"}}))
+                                       "message": "2 -> 4",
+                                       "involvedObject": {"kind": "Pod", "name": "w0"}}))
         assert [e.reason for e in client.list(Event)] == ["ScaledUp"]
 
         client.create(Job(job(workers={"min": 1, "max": 2})))
@@ -484,11 +514,6 @@ def test_lightkube_round_trips(emulator):
 
 @pytest.mark.asyncio
 async def test_lightkube_async_client(served, tmp_path):
-    from lightkube import AsyncClient, KubeConfig
-    from lightkube.resources.core_v1 import Pod
-
-    from tidal_operator.emulator import write_kubeconfig
-
     config = KubeConfig.from_file(write_kubeconfig(tmp_path / "kubeconfig", served.url))
     client = AsyncClient(config=config)
     try:
@@ -517,29 +542,33 @@ def created(body, spec, patch, **_):
 '''
 
 
+def _wait(check, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_kopf_operator_sees_a_job_and_patches_its_status(emulator, tmp_path):
     emulator.call(emulator.emulator.create, CRD)
     (tmp_path / "op.py").write_text(KOPF_OPERATOR)
     log = tmp_path / "kopf.log"
+    command = [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
+               "--verbose", str(tmp_path / "op.py")]
+    env = {**os.environ, "KUBECONFIG": str(emulator.kubeconfig)}
     with log.open("w") as out:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "--verbose",
-             str(tmp_path / "op.py")],
-            env={**os.environ, "KUBECONFIG": str(emulator.kubeconfig)}, stdout=out, stderr=subprocess.STDOUT)
+        operator = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         emulator.call(emulator.emulator.create, job(workers={"min": 3, "max": 4}))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            stored = emulator.call(emulator.emulator.get, "tidal.dev/v1alpha1/elastictrainingjobs", "default", "j1")
-            if stored.get("status", {}).get("phase") == "Running":
-                break
-            time.sleep(0.2)
-        assert stored["status"] == {"phase": "Running", "workers": 3}, log.read_text()
-        deadline = time.monotonic() + 10
-        while not (events := emulator.call(emulator.emulator.list, "v1/events")) and time.monotonic() < deadline:
-            time.sleep(0.2)
+
+        def status() -> dict[str, Any]:
+            stored = emulator.call(emulator.emulator.get, ETJ_RESOURCE, "default", "j1")
+            return stored.get("status", {})
+
+        assert _wait(status, 30) == {"phase": "Running", "workers": 3}, log.read_text()
+        events = _wait(lambda: emulator.call(emulator.emulator.list, "v1/events"), 10)
         assert [(e["reason"], e["message"], e["involvedObject"]["name"]) for e in events] == [
             ("Seen", "workers 3", "j1")]
     finally:
@@ -556,10 +585,11 @@ def test_command_line_serves_until_sigterm(tmp_path):
     kubeconfig = tmp_path / "kubeconfig"
     crd = tmp_path / "crd.yaml"
     crd.write_text(yaml.safe_dump(CRD))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "tidal_operator.emulator", "--port", "0", "--kubeconfig", str(kubeconfig),
-               "--apply", str(crd)]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as server:
+    path = os.pathsep.join([str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "tidal_operator.emulator", "--port", "0",
+               "--kubeconfig", str(kubeconfig), "--apply", str(crd)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": path}) as server:
         try:
             line = server.stdout.readline()
             assert line.startswith("ready http://127.0.0.1:"), line
@@ -574,15 +604,13 @@ def test_command_line_serves_until_sigterm(tmp_path):
             assert server.wait(timeout=10) == 0
 
 
-# -- the local scheduler and kubelet ----------------------------------------------------------------
+# -- the local scheduler and kubelet --------------------------------------------------------------
 
 
-def gpu_pod(name: str, gpus: int, duration: float | None = None, priority_class: str | None = None) -> dict[str, Any]:
-    manifest = pod(name, gpus)
+def gpu_pod(name: str, gpus: int, duration: float | None = None, **spec: Any) -> dict[str, Any]:
+    manifest = pod(name, gpus, spec)
     if duration is not None:
         manifest["metadata"]["annotations"] = {DURATION_ANNOTATION: str(duration)}
-    if priority_class:
-        manifest["spec"]["priorityClassName"] = priority_class
     return manifest
 
 
@@ -593,19 +621,21 @@ async def test_scheduler_binds_by_gpus_and_kubelet_runs_for_the_duration(served,
         assert await create_nodes(cluster, 2, 4) == ["node-0", "node-1"]  # idempotent
         for name, gpus in (("a", 3), ("b", 2), ("c", 2), ("d", 4)):
             await api.create(PODS, gpu_pod(name, gpus, duration=1 if name == "a" else None))
-        await api.create(PODS, gpu_pod("e", 1) | {"spec": {**gpu_pod("e", 1)["spec"], "nodeSelector": {"zone": "x"}}})
+        await api.create(PODS, gpu_pod("e", 1, nodeSelector={"zone": "x"}))
 
         assert await Scheduler(cluster).step() == ["default/a", "default/b", "default/c"]
         placed = {p["metadata"]["name"]: p for p in (await api.get(PODS))["items"]}
-        assert [placed[n]["spec"].get("nodeName") for n in "abcde"] == ["node-0", "node-1", "node-1", None, None]
+        assert [placed[n]["spec"].get("nodeName") for n in "abcde"] == [
+            "node-0", "node-1", "node-1", None, None]
         waiting = {c["type"]: c for c in placed["d"]["status"]["conditions"]}["PodScheduled"]
         assert (waiting["status"], waiting["reason"]) == ("False", "Unschedulable")
         assert waiting["message"] == "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
         waiting = {c["type"]: c for c in placed["e"]["status"]["conditions"]}["PodScheduled"]
-        assert waiting["message"] == "0/2 nodes are available: 2 node(s) didn't match Pod's node affinity/selector."
+        assert waiting["message"] == (
+            "0/2 nodes are available: 2 node(s) didn't match Pod's node affinity/selector.")
 
         version = served.emulator.resource_version
-        assert await Scheduler(cluster).step() == []  # a restarted scheduler: nothing new, nothing written
+        assert await Scheduler(cluster).step() == []  # restarted: nothing new, nothing written
         assert served.emulator.resource_version == version
 
         started = datetime.datetime.now(datetime.UTC)
@@ -620,26 +650,24 @@ async def test_scheduler_binds_by_gpus_and_kubelet_runs_for_the_duration(served,
         done = (await api.get(f"{PODS}/a"))["status"]
         assert done["phase"] == "Succeeded"
         assert done["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
-        assert (await api.get(f"{PODS}/b"))["status"]["phase"] == "Running"  # no duration: runs on
+        assert (await api.get(f"{PODS}/b"))["status"]["phase"] == "Running"  # no duration
         assert await Scheduler(cluster).step() == ["default/d"]  # a's GPUs are free again
         assert (await api.get(f"{PODS}/d"))["spec"]["nodeName"] == "node-0"
 
 
 @pytest.mark.asyncio
 async def test_scheduler_takes_higher_priority_first(served, api):
-    await api.create("/apis/scheduling.k8s.io/v1/priorityclasses", {"metadata": {"name": "high"}, "value": 100})
+    await api.create("/apis/scheduling.k8s.io/v1/priorityclasses",
+                     {"metadata": {"name": "high"}, "value": 100})
     async with ClusterApi(served.url) as cluster:
         await create_nodes(cluster, 1, 4)
         await api.create(PODS, gpu_pod("early", 4))
-        await api.create(PODS, gpu_pod("urgent", 4, priority_class="high"))
+        await api.create(PODS, gpu_pod("urgent", 4, priorityClassName="high"))
         assert await Scheduler(cluster).step() == ["default/urgent"]
 
 
 def test_local_cluster_runs_beside_a_threaded_emulator(emulator):
     """The synchronous way: nodes over HTTP, the loop on the emulator's thread, cancel to stop."""
-    from lightkube import Client, KubeConfig
-    from lightkube.resources.core_v1 import Node, Pod
-
     assert register_nodes(emulator.url, 1, 2) == ["node-0"]
     assert register_nodes(emulator.url, 1, 2) == ["node-0"]
     loop = emulator.submit(run(emulator.url, interval_s=0.05))
@@ -647,12 +675,29 @@ def test_local_cluster_runs_beside_a_threaded_emulator(emulator):
     try:
         assert client.get(Node, "node-0").status.allocatable["nvidia.com/gpu"] == "2"
         client.create(Pod.from_dict(gpu_pod("w", 2)))
-        deadline = time.monotonic() + 10
-        while client.get(Pod, "w").status.phase != "Running" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.get(Pod, "w").status.phase == "Running"
+        assert _wait(lambda: client.get(Pod, "w").status.phase == "Running", 10)
         assert client.get(Pod, "w").spec.nodeName == "node-0"
     finally:
         client.close()
         loop.cancel()
     assert loop.cancelled()
+
+
+@pytest.mark.asyncio
+async def test_a_running_pod_terminates_gracefully_through_the_kubelet(served, api):
+    async with ClusterApi(served.url) as cluster:
+        await create_nodes(cluster, 1, 4)
+        await api.create(PODS, gpu_pod("old", 4))
+        await Scheduler(cluster).step()
+        await Kubelet(cluster).step()
+        deleted = await api.delete(f"{PODS}/old")
+        assert deleted["metadata"]["deletionGracePeriodSeconds"] == 30
+        await api.create(PODS, gpu_pod("old", 4), expect=409)  # the name is not free yet
+        await api.create(PODS, gpu_pod("new", 4))
+        assert await Scheduler(cluster).step() == []  # a terminating pod holds its GPUs
+        await Kubelet(cluster).step()
+        await api.get(f"{PODS}/old", expect=404)
+        assert await Scheduler(cluster).step() == ["default/new"]
+        await api.create(PODS, gpu_pod("unbound", 4))
+        await api.delete(f"{PODS}/unbound")  # never scheduled: gone at once
+        await api.get(f"{PODS}/unbound", expect=404)
