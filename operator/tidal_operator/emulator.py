@@ -17,7 +17,10 @@ real API server catches:
   resourceVersion; a watch resumes after a resourceVersion (410 once it left the history), ends
   after ``timeoutSeconds``, turns an object leaving its selector into DELETED, and honours
   ``sendInitialEvents``;
-- finalizers, namespace deletion, and background garbage collection of ``ownerReferences``;
+- deletion: finalizers; a pod bound to a node terminates gracefully (a deletionTimestamp
+  and a grace period, until the kubelet removes it); a namespace takes its contents along;
+  background garbage collection of ``ownerReferences`` (an object whose owners are all gone,
+  or never existed in its namespace, is deleted);
 - CustomResourceDefinitions register their resources, and custom resources are pruned,
   defaulted and validated with the CRD's schema and CEL rules (:mod:`tidal_operator.structural`);
 - admission as in a default cluster: names and labels are validated; namespaces must exist and
@@ -635,11 +638,16 @@ class Emulator(kmock.KubernetesScaffold):
                       for obj in items[start:end]],
         }
 
-    async def _watch(self, resource: Resource, ns: str | None, name: str | None,
-                     params: Mapping[str, str]) -> AsyncIterator[Any]:
-        yield b""  # send the headers now: clients wait for them before reading events
+    def _watch(self, resource: Resource, ns: str | None, name: str | None,
+               params: Mapping[str, str]) -> AsyncIterator[Any]:
+        """A watch stream; a bad selector is a 400 before the stream starts."""
         match = self._matcher(resource, ns, name, params)
         timeout = float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
+        return self._stream(resource, match, timeout, params)
+
+    async def _stream(self, resource: Resource, match: Callable[[Obj], bool],
+                      timeout: float | None, params: Mapping[str, str]) -> AsyncIterator[Any]:
+        yield b""  # send the headers now: clients wait for them before reading events
         deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
         since = params.get("resourceVersion") or "0"
         position = int(since) if since.isdigit() else 0
@@ -1393,6 +1401,7 @@ async def serve(host: str = "127.0.0.1", port: int = 0, kubeconfig: str | Path |
                 emulator: Emulator | None = None) -> AsyncIterator[Served]:
     """Serve an emulator on ``host:port`` (0: any free port) until the block ends."""
     emulator = Emulator() if emulator is None else emulator  # an Emulator with no requests is falsy
+    emulator._closing = False
     async with emulator:
         server = aiohttp.web.Server(emulator, handler_cancellation=True)
         runner = aiohttp.web.ServerRunner(server, shutdown_timeout=1.0)
