@@ -473,6 +473,14 @@ class Emulator(kmock.KubernetesScaffold):
     # -- HTTP -----------------------------------------------------------------------------------
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """The API server's answer, with the bare ``application/json`` content type it sends:
+        clients (lightkube) parse a Status only from that exact type."""
+        response = await self._answer(raw_request)
+        if not response.prepared and response.content_type == "application/json":
+            response.charset = None
+        return response
+
+    async def _answer(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         """kmock's entry point with a path parser that knows ``/api/v1/namespaces/{name}``; an
         API error (404, 409, 422...) is an answer, not an error of the emulator."""
         await raw_request.read()

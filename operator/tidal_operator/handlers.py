@@ -47,6 +47,12 @@ def elastic_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[s
     return {f"{namespace}/{name}": dict(body)}
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod, the service account; elsewhere $KUBECONFIG (no client library needed)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, gpu_nodes: kopf.Index, cluster_pods: kopf.Index,
                 elastic_jobs: kopf.Index, **_: Any) -> None:

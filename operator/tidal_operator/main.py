@@ -31,6 +31,7 @@ def main(kubeconfig: str | None, namespaces: tuple[str, ...], interval: float, g
     """Run the operator until interrupted (one replica: it runs standalone, without peering)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx2").setLevel(logging.DEBUG if verbose else logging.WARNING)
     if kubeconfig:
         os.environ["KUBECONFIG"] = os.path.abspath(kubeconfig)  # kopf's own login reads it
     handlers.CONFIG = Config(gpu_resource=gpu_resource, interval_s=interval)

@@ -21,7 +21,7 @@ import kmock
 import pytest
 import pytest_asyncio
 import yaml
-from lightkube import AsyncClient, Client, KubeConfig
+from lightkube import ApiError, AsyncClient, Client, KubeConfig
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
@@ -490,6 +490,9 @@ def test_lightkube_round_trips(emulator):
         assert node.status.allocatable == {"nvidia.com/gpu": "8"}
         created = client.create(Pod.from_dict(pod("w0", labels={"job": "j1"})))
         assert created.status.phase == "Pending"
+        with pytest.raises(ApiError) as conflict:  # a Status, as lightkube reads it from a server
+            client.create(Pod.from_dict(pod("w0")))
+        assert (conflict.value.status.code, conflict.value.status.reason) == (409, "AlreadyExists")
         client.patch(Pod.Status, "w0", {"status": {"phase": "Running"}}, patch_type=PatchType.MERGE)
         assert [p.status.phase for p in client.list(Pod, labels={"job": "j1"})] == ["Running"]
         client.create(Event.from_dict({"metadata": {"generateName": "j1-"}, "reason": "ScaledUp",

@@ -1,0 +1,293 @@
+"""The real operator process against the Kubernetes API emulator, over HTTP (issue 5, item 7).
+
+The emulator serves the API; a scheduler and kubelet of the local cluster bind pods to GPU
+nodes and mark them Running (or Unschedulable); ``tidal-operator`` runs as a subprocess. The
+test plays the agent leader's side of the protocol (status.generation, members, scale table)
+as the agent would: it applies a target only once the joiners run, and a released pod "exits"
+(phase Succeeded) before the leader reports the smaller generation.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from lightkube import Client
+from lightkube.config.kubeconfig import KubeConfig
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.core_v1 import Event, Pod, Service
+from lightkube.types import PatchType
+from prometheus_client.parser import text_string_to_metric_families
+
+from tidal_api import ScaleRow, ScaleTable
+from tidal_operator import localcluster
+from tidal_operator.emulator import EmulatorThread, load_manifests
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+ETJ = create_namespaced_resource("tidal.dev", "v1alpha1", "ElasticTrainingJob",
+                                 "elastictrainingjobs")
+NS = "default"
+TIMEOUT_S = 40.0
+
+
+def wait_for(what: str, check, timeout_s: float = TIMEOUT_S, every_s: float = 0.2, seen=None):
+    """Poll ``check`` until it returns something truthy; fail with ``what`` (and what ``seen``
+    returns then) on timeout."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every_s)
+    raise AssertionError(f"timed out waiting for {what}" + (f"; saw {seen()!r}" if seen else ""))
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Operator:
+    """``tidal-operator`` as a subprocess, restartable; its log goes to a file."""
+
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig, self.log, self.proc = kubeconfig, log, None
+        self.metrics_port = free_port()
+
+    def start(self) -> None:
+        exe = Path(sys.executable).with_name("tidal-operator")
+        with self.log.open("a") as out:
+            self.proc = subprocess.Popen(
+                [str(exe), "--kubeconfig", str(self.kubeconfig), "--interval", "0.3",
+                 "--metrics-port", str(self.metrics_port)],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                      timeout=5).read().decode()
+        return {sample.name + (str(sorted(sample.labels.items())) if sample.labels else ""):
+                sample.value
+                for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def table(job: str, tokens_per_second: dict[int, float]) -> dict:
+    base = tokens_per_second[min(tokens_per_second)]
+    rows = [ScaleRow(workers=w, gpus=w, dp=1, pp=w, partition=(1,) * w, schedule="1f1b",
+                     micro_batch_size=2, num_micro_batches=8, step_seconds=1024 / t,
+                     tokens_per_second=t, peak_memory_bytes=1e6, speedup=t / base,
+                     predictor="modeled")
+            for w, t in sorted(tokens_per_second.items())]
+    return ScaleTable(job=job, device="cpu", source="modeled", min_workers=min(tokens_per_second),
+                      max_workers=max(tokens_per_second), global_batch_size=16, seq_len=64,
+                      min_gain=0.05, rows=tuple(rows)).model_dump(by_alias=True, mode="json")
+
+
+class Leader:
+    """The agent leader's half of the protocol, driven by the test."""
+
+    def __init__(self, api: Client, name: str) -> None:
+        self.api, self.name = api, name
+
+    def status(self) -> dict:
+        return self.api.get(ETJ, self.name, namespace=NS).get("status") or {}
+
+    def running(self, workers: int) -> dict | None:
+        """The status once the operator reports the job Running with ``workers``; else None."""
+        status = self.status()
+        ready = any(c["type"] == "Ready" and c["status"] == "True"
+                    for c in status.get("conditions", ()))
+        return status if ready and (status.get("phase"), status.get("workers")) == ("Running", workers) else None
+
+    def publish(self, **fields) -> None:
+        self.api.patch(ETJ.Status, self.name, {"status": fields}, namespace=NS,
+                       patch_type=PatchType.MERGE)
+
+    def pod_phase(self, pod: str) -> str | None:
+        try:
+            return self.api.get(Pod, pod, namespace=NS).status.phase
+        except Exception:  # noqa: BLE001 - gone
+            return None
+
+    def apply(self, *, exit_released: bool = True) -> dict:
+        """Wait for a new target, switch to it as the agent would, and report it."""
+        status = self.status()
+        target = status["target"]
+        members = list(status.get("members") or [])
+        wait_for(f"joiners {target['join']} running",
+                 lambda: all(self.pod_phase(p) == "Running" for p in target["join"]))
+        if exit_released:
+            for pod in target["release"]:
+                self.api.patch(Pod.Status, pod, {"status": {"phase": "Succeeded"}},
+                               namespace=NS, patch_type=PatchType.MERGE)
+        members = [m for m in members if m not in target["release"]] + list(target["join"])
+        self.publish(generation=target["generation"], members=members, lastSwitchSeconds=0.5,
+                     step=status.get("step", 0) + 5)
+        return target
+
+
+def pods_of(api: Client, job: str) -> list[str]:
+    return sorted(p.metadata.name for p in api.list(Pod, namespace=NS,
+                                                    labels={"tidal.dev/job": job}))
+
+
+def events_of(api: Client, job: str) -> list[tuple[str, str]]:
+    return [(e.reason, e.message) for e in api.list(Event, namespace=NS)
+            if e.involvedObject.name == job]
+
+
+def job_manifest(name: str, **spec) -> dict:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": NS}
+    doc["spec"]["scaling"] = {"probabilityThreshold": 0.5, "cooldownSeconds": 0,
+                              "switchOverheadSeconds": 1, "drainTimeoutSeconds": 3}
+    doc["spec"].update(spec)
+    return doc
+
+
+# What the chart installs besides the operator: the workers' ServiceAccount, PriorityClasses.
+PREREQUISITES = [
+    {"apiVersion": "v1", "kind": "ServiceAccount",
+     "metadata": {"name": "tidal-worker", "namespace": NS}},
+    *({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
+       "value": value} for name, value in (("tidal-elastic", 100), ("tidal-default", 1000))),
+]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with EmulatorThread(kubeconfig=tmp_path / "kubeconfig") as emu:
+        api = Client(KubeConfig.from_file(emu.kubeconfig).get())
+        for obj in [*load_manifests([ROOT / "crds" / "elastictrainingjobs.tidal.dev.yaml"]),
+                    *PREREQUISITES]:
+            emu.call(emu.emulator.create, obj)
+        localcluster.register_nodes(emu.url, count=1, gpus_per_node=4)
+        scheduler = emu.submit(localcluster.run(emu.url, interval_s=0.1))
+        operator = Operator(emu.kubeconfig, tmp_path / "operator.log")
+        operator.start()
+        try:
+            yield api, operator
+        finally:
+            operator.stop()
+            scheduler.cancel()
+            api.close()
+            if os.environ.get("TIDAL_TEST_SHOW_LOGS"):
+                print((tmp_path / "operator.log").read_text())
+
+
+def test_the_operator_scales_a_job_up_into_idle_gpus_and_down_for_a_pending_pod(cluster, tmp_path):
+    api, operator = cluster
+    leader = Leader(api, "tiny")
+    api.create(ETJ(job_manifest("tiny")))
+
+    # Created: two worker pods, the headless Service, generation 0's target.
+    assert wait_for("two worker pods", lambda: pods_of(api, "tiny") == ["tiny-worker-0", "tiny-worker-1"])
+    assert api.get(Service, "tiny", namespace=NS).spec.clusterIP == "None"
+    assert leader.status()["target"]["generation"] == 0
+    leader.apply()
+    leader.publish(scaleTable=table("tiny", {2: 100.0, 3: 140.0, 4: 175.0}))
+
+    # Two GPUs idle, nothing pending: up to 4 workers, a target of generation 1, an Event.
+    wait_for("a scale-up target", lambda: leader.status()["target"]["generation"] == 1)
+    target = leader.status()["target"]
+    assert (target["workers"], target["join"]) == (4, ["tiny-worker-2", "tiny-worker-3"])
+    assert wait_for("four pods", lambda: len(pods_of(api, "tiny")) == 4)
+    assert any(reason == "ScaleUp" for reason, _ in events_of(api, "tiny"))
+
+    # The operator restarts before the agent applies the target: no duplicate pod, same target.
+    operator.stop()
+    operator.start()
+    time.sleep(2.0)
+    assert pods_of(api, "tiny") == [f"tiny-worker-{i}" for i in range(4)]
+    assert leader.status()["target"]["generation"] == 1
+    leader.apply()
+    running = wait_for("phase Running at 4 workers", lambda: leader.running(4),
+                       seen=leader.status)
+    conditions = {c["type"]: c["status"] for c in running["conditions"]}
+    assert conditions == {"Valid": "True", "Ready": "True", "Scaling": "False"}, running["conditions"]
+
+    # A non-elastic pod wants 2 GPUs: the job shrinks to 2 workers, drain then delete.
+    api.create(Pod.from_dict({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "batch", "namespace": NS},
+                              "spec": {"containers": [{"name": "main", "image": "busybox",
+                                                       "resources": {"limits": {"nvidia.com/gpu": 2}}}]}}))
+    wait_for("a scale-down target", lambda: leader.status()["target"]["generation"] == 2)
+    target = leader.status()["target"]
+    assert target["workers"] == 2 and len(target["release"]) == 2
+    assert "tiny-worker-0" not in target["release"] and target["deadline"]
+    released = target["release"]
+    assert set(released) <= set(pods_of(api, "tiny"))  # drained first, not deleted yet
+    leader.apply()
+    wait_for("released pods deleted", lambda: not set(released) & set(pods_of(api, "tiny")))
+    wait_for("the pending pod bound", lambda: api.get(Pod, "batch", namespace=NS).spec.nodeName)
+    reasons = [r for r, _ in events_of(api, "tiny")]
+    assert reasons.count("ScaleUp") == 1 and reasons.count("ScaleDown") == 1
+
+    leader.publish(step=12)  # the agent's report; the next round sees the pod bound too
+    metrics = wait_for("metrics of the round after", lambda: (m := operator.metrics())["tidal_idle_gpus"] == 0 and m)
+    assert metrics["tidal_decisions_total[('kind', 'scale_down')]"] == 1  # since the restart
+    assert metrics["tidal_decisions_total[('kind', 'scale_up')]"] == 0
+    assert metrics["tidal_job_workers[('job', 'tiny'), ('namespace', 'default')]"] == 2
+    assert metrics["tidal_gpus"] == 4 and metrics["tidal_pending_gpu_pods"] == 0
+    assert metrics["tidal_decision_seconds_count"] > 0
+    assert metrics["tidal_arrival_rate_per_hour"] == pytest.approx(3600 / 28800)  # one arrival in 8 h
+
+
+def test_past_the_drain_deadline_released_pods_are_deleted_anyway(cluster):
+    api, _ = cluster
+    leader = Leader(api, "slow")
+    api.create(ETJ(job_manifest("slow", workers={"min": 2, "max": 4})))
+    wait_for("two worker pods", lambda: len(pods_of(api, "slow")) == 2)
+    leader.apply()
+    leader.publish(scaleTable=table("slow", {2: 100.0, 3: 150.0, 4: 190.0}))
+    wait_for("a scale-up target", lambda: leader.status()["target"]["generation"] == 1)
+    leader.apply()
+    api.create(Pod.from_dict({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "big", "namespace": NS},
+                              "spec": {"containers": [{"name": "main", "image": "busybox",
+                                                       "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}))
+    wait_for("a scale-down target", lambda: leader.status()["target"]["generation"] == 2)
+    released = leader.status()["target"]["release"]
+    # The agent never answers: the pods stay Running until the 3 s deadline passes.
+    time.sleep(1.0)
+    assert set(released) <= set(pods_of(api, "slow"))
+    wait_for("released pods deleted at the deadline",
+             lambda: not set(released) & set(pods_of(api, "slow")), timeout_s=15)
+    assert any(r == "DrainDeadline" for r, _ in events_of(api, "slow"))
+
+
+def test_an_invalid_job_gets_a_condition_and_an_event_and_others_are_served(cluster):
+    api, _ = cluster
+    api.create(ETJ(job_manifest("wrong", workers={"min": 9, "max": 12})))
+    api.create(ETJ(job_manifest("right")))
+
+    def refused():
+        status = api.get(ETJ, "wrong", namespace=NS).get("status") or {}
+        valid = [c for c in status.get("conditions", []) if c["type"] == "Valid"]
+        return status.get("phase") == "Invalid" and valid and valid[0]
+
+    valid = wait_for("the Valid=False condition", refused)
+    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
+    assert "workers.min (9) exceeds the model's 8 placement units" in valid["message"]
+    assert any(r == "InvalidSpec" and "workers.min (9)" in m for r, m in events_of(api, "wrong"))
+    assert pods_of(api, "wrong") == []
+    wait_for("the valid job's pods", lambda: len(pods_of(api, "right")) == 2)
