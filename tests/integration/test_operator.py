@@ -16,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import kmock
 import pytest
 import yaml
 from lightkube import Client
@@ -187,7 +188,7 @@ def cluster(tmp_path):
         operator = Operator(emu.kubeconfig, tmp_path / "operator.log")
         operator.start()
         try:
-            yield api, operator
+            yield api, operator, emu
         finally:
             operator.stop()
             scheduler.cancel()
@@ -197,7 +198,7 @@ def cluster(tmp_path):
 
 
 def test_the_operator_scales_a_job_up_into_idle_gpus_and_down_for_a_pending_pod(cluster, tmp_path):
-    api, operator = cluster
+    api, operator, _ = cluster
     leader = Leader(api, "tiny")
     api.create(ETJ(job_manifest("tiny")))
 
@@ -254,7 +255,7 @@ def test_the_operator_scales_a_job_up_into_idle_gpus_and_down_for_a_pending_pod(
 
 
 def test_past_the_drain_deadline_released_pods_are_deleted_anyway(cluster):
-    api, _ = cluster
+    api, _, _ = cluster
     leader = Leader(api, "slow")
     api.create(ETJ(job_manifest("slow", workers={"min": 2, "max": 4})))
     wait_for("two worker pods", lambda: len(pods_of(api, "slow")) == 2)
@@ -276,7 +277,7 @@ def test_past_the_drain_deadline_released_pods_are_deleted_anyway(cluster):
 
 
 def test_an_invalid_job_gets_a_condition_and_an_event_and_others_are_served(cluster):
-    api, _ = cluster
+    api, _, _ = cluster
     api.create(ETJ(job_manifest("wrong", workers={"min": 9, "max": 12})))
     api.create(ETJ(job_manifest("right")))
 
@@ -291,3 +292,19 @@ def test_an_invalid_job_gets_a_condition_and_an_event_and_others_are_served(clus
     assert any(r == "InvalidSpec" and "workers.min (9)" in m for r, m in events_of(api, "wrong"))
     assert pods_of(api, "wrong") == []
     wait_for("the valid job's pods", lambda: len(pods_of(api, "right")) == 2)
+
+
+def test_api_errors_are_retried_and_the_operator_keeps_running(cluster):
+    api, operator, emu = cluster
+    failing = {"on": True}
+    emu.call(lambda: emu.emulator["post", kmock.resource("v1/pods")][
+        lambda request: failing["on"]] << 503)
+    api.create(ETJ(job_manifest("flaky")))
+    wait_for("the initial target", lambda: (Leader(api, "flaky").status().get("target") or {})
+             .get("generation") == 0)
+    time.sleep(2.0)  # several rounds, each refused
+    assert pods_of(api, "flaky") == [] and operator.proc.poll() is None
+    failing["on"] = False
+    assert wait_for("the pods, once the API answers",
+                    lambda: pods_of(api, "flaky") == ["flaky-worker-0", "flaky-worker-1"])
+    assert "retrying next round" in operator.log.read_text()
