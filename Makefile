@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/reshard.py
 	$(BIN)/python bench/predictor.py
 	$(BIN)/python bench/planner.py
+	$(BIN)/python bench/decide.py
 
 clean:
 	rm -rf $(VENV) runs
