@@ -179,7 +179,8 @@ class ScalingSpec(_Spec):
     )
     probability_threshold: float = Field(
         0.6, ge=0, le=1, description="Scale up only if the probability that the idle window "
-        "outlasts the switch overhead, exp(-rate x overhead / gain), exceeds this."
+        "outlasts the switch overhead (a switch up and one back down), "
+        "exp(-rate x overhead / gain), exceeds this."
     )
     min_gain: float = Field(
         0.05, ge=0, description="Least relative throughput gain a larger scale-table row must "
