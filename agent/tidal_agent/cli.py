@@ -284,6 +284,56 @@ def _print_table(table) -> None:
         Console().print(dropped)
 
 
+@main.command()
+@click.option("--kubeconfig", help="A kubeconfig file or an API server URL (default: the pod's service account, then $KUBECONFIG).")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Torch threads; the same in every pod (determinism).")
+@click.option("--steps", type=click.IntRange(min=1), help="Steps to run (default: spec.training.steps).")
+@click.option("--report", type=click.Path(dir_okay=False), help="The leader writes the JSON report here.")
+@click.option("--plan-device", default="cpu", show_default=True, help="Device description for the planner: h100, cpu or a JSON file.")
+@click.option("--publish-interval", "publish_interval_s", type=click.FloatRange(min=0), default=2.0, show_default=True, help="Seconds between status patches (a new generation goes out at once).")
+@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True, help="auto: nccl where CUDA is available, else gloo.")
+@click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent peer or rendezvous is an error.")
+def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, backend,
+          timeout_s) -> None:
+    """Run this pod's worker of an ElasticTrainingJob, as the operator starts it.
+
+    The pod's identity comes from TIDAL_JOB, TIDAL_NAMESPACE, TIDAL_POD, TIDAL_RENDEZVOUS_HOST
+    and TIDAL_RENDEZVOUS_PORT. <job>-worker-0 leads: it hosts the rendezvous, applies
+    status.target at step boundaries and publishes the job's progress in status. A pod the
+    target releases hands its state over and exits 0.
+    """
+    import logging
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # before torch loads: part of determinism
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request otherwise
+    from tidal_agent.control import ControlError, PodIdentity, run_agent
+    from tidal_plan.devices import DeviceError
+
+    if backend == "auto":
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        identity = PodIdentity.from_env()
+        result = run_agent(identity, kubeconfig=kubeconfig, threads=threads, steps=steps,
+                           plan_device=plan_device, publish_interval_s=publish_interval_s,
+                           timeout_s=timeout_s, backend=backend, report_path=report)
+    except (ControlError, JobSpecError, LayoutError, DeviceError) as err:
+        raise click.ClickException(str(err)) from None
+    if "params_sha256" in result:
+        last = result["steps"][-1] if result["steps"] else None
+        loss = f"loss {last['loss']:.4f}, " if last else ""
+        _console.print(f"done: {loss}{len(result['members'])} workers, "
+                       f"params {result['params_sha256'][:16]}")
+    elif result["done"]:
+        _console.print(f"{identity.pod}: done")
+    else:
+        _console.print(f"{identity.pod}: released" + (
+            f" at step {result['left_at']}" if result["left_at"] is not None else " from standby"))
+
+
 @main.group()
 def data() -> None:
     """Training data tools."""

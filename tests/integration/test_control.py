@@ -1,0 +1,419 @@
+"""The agent's side of the operator protocol, against a Kubernetes API emulator over HTTP.
+
+The test plays the operator: it creates the ElasticTrainingJob, starts agents as local
+processes with a worker pod's environment, and writes ``status.target`` through the status
+subresource. Nothing is mocked: real HTTP, a real TCPStore, real gloo worlds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import closing
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import yaml
+from lightkube import Client
+from lightkube.config.kubeconfig import KubeConfig
+from lightkube.types import PatchType
+
+from tidal_agent.control import AgentReport, ControlError, ControlLink, ControlledGenerations
+from tidal_agent.control import ElasticTrainingJobResource as ETJ
+from tidal_api import Target, keys
+from tidal_operator.emulator import load_manifests
+from tidal_plan.layout import build_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+TIDAL = Path(sys.executable).with_name("tidal")
+NAMESPACE = "default"
+
+
+@pytest.fixture
+def api(emulator):
+    """A client of the emulator (tests/integration/conftest.py) with the CRD installed."""
+    for crd in load_manifests([ROOT / "crds" / "elastictrainingjobs.tidal.dev.yaml"]):
+        emulator.call(emulator.emulator.create, crd)
+    client = Client(KubeConfig.from_file(emulator.kubeconfig).get())
+    yield client
+    client.close()
+
+
+def _job_doc(name="tiny", steps=40):
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    doc["spec"]["training"]["steps"] = steps
+    return doc
+
+
+def _create(api, doc):
+    api.create(ETJ(doc), namespace=NAMESPACE)
+
+
+def _status(api, name="tiny") -> dict:
+    return dict(api.get(ETJ, name, namespace=NAMESPACE)).get("status") or {}
+
+
+def _set_status(api, fields, name="tiny"):
+    """The operator's move: a merge patch of its own status fields."""
+    api.patch(ETJ.Status, name, {"status": fields}, namespace=NAMESPACE,
+              patch_type=PatchType.MERGE)
+
+
+def _until(check, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+# ---- ControlLink --------------------------------------------------------------------------------
+
+
+def test_link_reads_the_job_and_follows_its_target(emulator, api):
+    _create(api, _job_doc())
+    link = ControlLink("tiny", NAMESPACE, kubeconfig=str(emulator.kubeconfig), watch_timeout_s=1)
+    try:
+        job = link.job()
+        assert job.metadata.name == "tiny" and job.spec.workers.min == 2
+        assert link.target() is None
+        link.start()
+        target = {"workers": 3, "generation": 1, "join": ["tiny-worker-2"], "reason": "IdleGPUs"}
+        _set_status(api, {"target": target})
+        got = _until(link.target, 10, "the watch to see the target")
+        assert got == Target(workers=3, generation=1, join=("tiny-worker-2",), reason="IdleGPUs")
+        _set_status(api, {"target": {**target, "generation": 2, "workers": 2, "join": [],
+                                     "release": ["tiny-worker-1"]}})
+        _until(lambda: link.target().generation == 2, 10, "the second target")
+        assert link.target().release == ("tiny-worker-1",)
+    finally:
+        link.close()
+
+
+def test_publish_patches_only_agent_fields_and_at_most_every_interval(emulator, api):
+    _create(api, _job_doc())
+    operator_fields = {"phase": "Running", "workers": 2,
+                       "target": {"workers": 2, "generation": 0}}
+    _set_status(api, operator_fields)
+    operator_fields = {key: _status(api)[key] for key in operator_fields}  # as defaulted
+    link = ControlLink("tiny", NAMESPACE, kubeconfig=emulator.url, publish_interval_s=1.0,
+                       watch_timeout_s=1)
+    link.start()
+    try:
+        link.publish(generation=0, members=("tiny-worker-0", "tiny-worker-1"))
+        _until(lambda: _status(api).get("generation") == 0, 5, "generation 0")
+        started = time.monotonic()
+        for step in range(1, 21):  # faster than the interval: coalesced into one patch
+            link.publish(step=step, loss=5.0 - step / 10, tokens_per_second=1000.0 + step)
+            time.sleep(0.01)
+        _until(lambda: _status(api).get("step") == 20, 5, "step 20")
+        assert time.monotonic() - started >= 0.9  # held back until the interval was over
+        assert link.patches == 2
+        link.publish(step=21)
+        link.publish(generation=1, members=("tiny-worker-0", "tiny-worker-1", "tiny-worker-2"))
+        _until(lambda: _status(api).get("generation") == 1, 0.8, "a new generation at once")
+    finally:
+        link.close()
+    status = _status(api)
+    assert status["step"] == 21 and status["loss"] == pytest.approx(3.0)
+    assert status["tokensPerSecond"] == 1020.0
+    assert status["members"] == ["tiny-worker-0", "tiny-worker-1", "tiny-worker-2"]
+    for key, value in operator_fields.items():  # the operator's fields are untouched
+        assert status[key] == value
+    with pytest.raises(ValueError, match="not agent-owned"):
+        link.publish(target={"workers": 3, "generation": 1})
+
+
+def test_api_errors_are_retried_not_raised(emulator, api):
+    # Publishing to a job that does not exist yet: 404s, retried until it does.
+    link = ControlLink("late", NAMESPACE, kubeconfig=emulator.url, publish_interval_s=0.1,
+                       watch_timeout_s=1)
+    link.start()
+    try:
+        link.publish(generation=0, step=3)
+        time.sleep(1.0)
+        _create(api, _job_doc("late"))
+        _until(lambda: _status(api, "late").get("step") == 3, 10, "the retried patch")
+        _set_status(api, {"target": {"workers": 3, "generation": 1}}, name="late")
+        _until(link.target, 10, "the watch to find the job")
+    finally:
+        link.close()
+    with closing(socket.socket()) as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(ControlError, match="cannot read ElasticTrainingJob default/tiny"):
+        ControlLink("tiny", NAMESPACE, kubeconfig=nowhere).job(retry_for_s=1.0)
+
+
+# ---- membership through the rendezvous store ---------------------------------------------------
+
+
+def _layout(workers: int):
+    return build_layout(num_units=8, workers=workers, micro_batch_size=2, num_micro_batches=8)
+
+
+def _drive(source: ControlledGenerations, me: str, steps: int, trained: list, step_s=0.01):
+    """The worker's step-boundary logic (worker._Worker.run) without the training."""
+    started = source.start(me)
+    if started is None:
+        trained.append((me, "released from standby"))
+        return
+    gen, _ = started
+    step, following = gen.at_step, None
+    while step < steps:
+        if following is None:
+            following = source.following(gen, step)
+        if following is not None and step == following.at_step:
+            if me not in following.members:
+                trained.append((me, "left", step))
+                return
+            gen, following = following, None
+            continue
+        trained.append((me, step, gen.index, gen.members, source.layout(gen).pp))
+        time.sleep(step_s)
+        done = f"test/step/{step}"  # the step's all-reduce: members move in lockstep
+        source.store.add(done, 1)
+        while source.store.add(done, 0) < len(gen.members):
+            time.sleep(0.001)
+        step += 1
+    if me == source.leader:
+        source.end(steps)
+
+
+def test_generations_follow_targets_through_the_store():
+    steps, leader = 150, "j-worker-0"
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30), use_libuv=True)
+    box: dict = {"target": None}
+
+    def source(me):
+        store = dist.PrefixStore("j/", dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                                                     timeout=timedelta(seconds=30)))
+        return ControlledGenerations(
+            me=me, leader=leader, store=store, min_workers=2, steps=steps,
+            choose=lambda n, first: (_layout(n), None), target=lambda: box["target"],
+            poll_s=0.01,
+        )
+
+    trained: list = []
+    threads = {}
+
+    def run(me):
+        src = source(me)
+        threads[me] = threading.Thread(target=_drive, args=(src, me, steps, trained), daemon=True)
+        threads[me].start()
+        return src
+
+    probe = source("probe").store
+
+    def registered(pod):
+        return lambda: probe.check([f"pod/{pod}"])
+
+    run("j-worker-1")
+    _until(registered("j-worker-1"), 10, "worker-1 to register")
+    run("j-worker-3")  # registers second: beyond min, so it waits in standby
+    _until(registered("j-worker-3"), 10, "worker-3 to register")
+    run(leader)
+    _until(lambda: any(t[0] == leader and t[1] == 3 for t in trained), 10, "step 3")
+    # Scale up before the joiner exists: the leader goes on training until it registers.
+    box["target"] = Target(workers=3, generation=1, join=("j-worker-2",))
+    time.sleep(0.3)
+    assert {t[2] for t in trained if len(t) == 5} == {0}
+    run("j-worker-2")
+    _until(lambda: any(len(t) == 5 and t[2] == 1 for t in trained), 10, "generation 1")
+    # Scale down, releasing a member that is not the last one.
+    box["target"] = Target(workers=2, generation=2, release=("j-worker-1",))
+    for thread in threads.values():
+        thread.join(30)
+        assert not thread.is_alive()
+
+    by_step: dict[int, set] = {}
+    for me, step, index, members, pp in (t for t in trained if len(t) == 5):
+        by_step.setdefault(step, set()).add((me, index, members, pp))
+    assert sorted(by_step) == list(range(steps))
+    runs = []  # (generation, members, pp) in step order; every member saw the same one
+    for step in range(steps):
+        gens = {(i, m, p) for _, i, m, p in by_step[step]}
+        assert len(gens) == 1, (step, by_step[step])
+        index, members, pp = gens.pop()
+        assert {me for me, *_ in by_step[step]} == set(members)
+        if not runs or runs[-1][0] != index:
+            runs.append((index, members, pp, step))
+    assert [r[:3] for r in runs] == [
+        (0, ("j-worker-0", "j-worker-1"), 2),
+        (1, ("j-worker-0", "j-worker-1", "j-worker-2"), 3),
+        (2, ("j-worker-0", "j-worker-2"), 2),
+    ]
+    left = [t for t in trained if t[1] == "left"]
+    assert left == [("j-worker-1", "left", runs[2][3])]
+    assert ("j-worker-3", "released from standby") in trained
+
+
+# ---- tidal agent, one process per pod ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Pods:
+    """Agent processes with a worker pod's environment, as the operator would start them."""
+
+    def __init__(self, url: str, logs: Path, *, job="tiny", report: Path | None = None):
+        self.url, self.logs, self.job, self.report = url, logs, job, report
+        self.port = _free_port()
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, index: int) -> str:
+        pod = f"{self.job}-worker-{index}"
+        env = {**os.environ, keys.ENV_JOB: self.job, keys.ENV_NAMESPACE: NAMESPACE,
+               keys.ENV_POD: pod, keys.ENV_RENDEZVOUS_HOST: "127.0.0.1",
+               keys.ENV_RENDEZVOUS_PORT: str(self.port), "OMP_NUM_THREADS": "1"}
+        args = [str(TIDAL), "agent", "--kubeconfig", self.url, "--publish-interval", "0.2",
+                "--timeout", "60"]
+        if index == 0 and self.report:
+            args += ["--report", str(self.report)]
+        with open(self.logs / f"{pod}.log", "w") as log:
+            self.procs[pod] = subprocess.Popen(args, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, cwd=ROOT)
+        return pod
+
+    def log(self, pod: str) -> str:
+        return (self.logs / f"{pod}.log").read_text()
+
+    def wait(self, pod: str, timeout_s: float) -> int:
+        try:
+            return self.procs[pod].wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{pod} still runs:\n{self.log(pod)[-3000:]}") from None
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+class _Observer:
+    """The job's status as seen every 50 ms, in a thread: what the operator would watch."""
+
+    def __init__(self, api):
+        self.api, self.seen, self._stop = api, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            status = _status(self.api)
+            if not self.seen or status != self.seen[-1]:
+                self.seen.append(status)
+            time.sleep(0.05)
+
+    def until(self, check, timeout_s, what):
+        """The first status seen that passes ``check``."""
+        return _until(lambda: self.seen and check(self.seen[-1]) and self.seen[-1], timeout_s,
+                      what)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api, tmp_path):
+    from tidal_agent.runner import resolve_layout, run_local
+    from tidal_api import ScaleTable, parse_job
+
+    steps = 80
+    doc = _job_doc(steps=steps)
+    _create(api, doc)
+    pods = _Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json")
+    observer = _Observer(api)
+    # As the operator does: generation 0's target names the first pods, then they start.
+    w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
+    _set_status(api, {"target": {"workers": 2, "generation": 0, "join": [w0, w1],
+                                 "release": [], "reason": "Initial"}})
+    try:
+        for index in (2, 1, 0):  # the joiner first: the target, not the order, makes generation 0
+            pods.start(index)
+        observer.until(lambda s: s.get("members") == [w0, w1], 120, "generation 0")
+        observer.until(lambda s: s.get("step", 0) >= 5, 60, "step 5")  # a few steps each
+        _set_status(api, {"target": {"workers": 3, "generation": 1, "join": [w2],
+                                     "reason": "IdleGPUs"}})
+        grown = observer.until(lambda s: s.get("generation") == 1, 120, "generation 1")
+        observer.until(lambda s: s.get("step", 0) >= grown["step"] + 5, 60, "5 more steps")
+        # A merge patch that leaves the last target's join in place: a desired state, harmless.
+        _set_status(api, {"target": {"workers": 2, "generation": 2, "release": [w1],
+                                     "reason": "PendingGPUPods"}})
+        observer.until(lambda s: s.get("generation") == 2, 60, "generation 2")
+        assert pods.wait(w1, 60) == 0, pods.log(w1)
+        for pod in (w0, w2):
+            assert pods.wait(pod, 120) == 0, pods.log(pod)
+        observer.until(lambda s: s.get("step") == steps, 10, "the final step")
+    finally:
+        observer.stop()
+        pods.stop()
+    assert "released at step" in pods.log(w1)
+
+    # The status followed the generations, with the planner's layouts.
+    applied = []
+    for status in observer.seen:
+        published = "members" in status  # the CRD defaults generation to 0 before that
+        if published and (not applied or applied[-1][0] != status["generation"]):
+            applied.append((status["generation"], status["members"], status["layout"]["pp"]))
+    assert applied == [(0, [w0, w1], 2), (1, [w0, w1, w2], 3), (2, [w0, w2], 2)]
+    progress = [s["step"] for s in observer.seen if "step" in s]
+    assert progress == sorted(progress) and len(set(progress)) >= 4 and progress[-1] == steps
+    final = observer.seen[-1]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert final["loss"] == report["steps"][-1]["loss"]
+    assert final["tokensPerSecond"] > 0 and final["stepSeconds"] > 0
+    assert final["predictedStepSeconds"] > 0 and final["lastSwitchSeconds"] > 0
+    table = ScaleTable.model_validate(final["scaleTable"])
+    assert [r.workers for r in table.rows] + [d.workers for d in table.dropped] == [2, 3, 4]
+    assert final["target"]["generation"] == 2  # the operator's field, left alone
+
+    # Every step ran once, in the generation's layout; the bits are a static run's.
+    pps = [s["layout"]["pp"] for s in report["steps"]]
+    assert [s["step"] for s in report["steps"]] == list(range(steps))
+    switches = [c["at_step"] for c in report["reconfigurations"]]
+    assert len(switches) == 2 and 5 <= switches[0] < switches[0] + 5 <= switches[1] < steps
+    assert pps == [2] * switches[0] + [3] * (switches[1] - switches[0]) + [2] * (steps - switches[1])
+    job = parse_job(doc)
+    static = run_local(job, resolve_layout(job, workers=2), steps=steps, timeout_s=120)
+    assert [s["loss_hex"] for s in report["steps"]] == [s["loss_hex"] for s in static["steps"]]
+    assert report["params_sha256"] == static["params_sha256"]
+
+
+def _agent_env(pod="tiny-worker-0", **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+    return {**env, keys.ENV_JOB: "tiny", keys.ENV_NAMESPACE: NAMESPACE, keys.ENV_POD: pod,
+            keys.ENV_RENDEZVOUS_HOST: "127.0.0.1", keys.ENV_RENDEZVOUS_PORT: str(_free_port()),
+            **extra}
+
+
+def test_agent_refuses_what_it_cannot_run(emulator, api):
+    doc = _job_doc()
+    doc["spec"]["gpusPerWorker"] = 2
+    _create(api, doc)
+    run = [str(TIDAL), "agent", "--kubeconfig", str(emulator.kubeconfig)]
+    result = subprocess.run(run, env=_agent_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "spec.gpusPerWorker is 2: tidal agent runs one rank per pod" in result.stderr
+    env = _agent_env()
+    del env[keys.ENV_POD], env[keys.ENV_RENDEZVOUS_HOST]
+    result = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "set TIDAL_POD, TIDAL_RENDEZVOUS_HOST" in result.stderr
