@@ -293,8 +293,9 @@ def _print_table(table) -> None:
 @click.option("--publish-interval", "publish_interval_s", type=click.FloatRange(min=0), default=2.0, show_default=True, help="Seconds between status patches (a new generation goes out at once).")
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True, help="auto: nccl where CUDA is available, else gloo.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent peer or rendezvous is an error.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="TIDAL_METRICS_PORT", help="Serve Prometheus metrics on this port (also $TIDAL_METRICS_PORT; 0 or unset: off).")
 def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, backend,
-          timeout_s) -> None:
+          timeout_s, metrics_port) -> None:
     """Run this pod's worker of an ElasticTrainingJob, as the operator starts it.
 
     The pod's identity comes from TIDAL_JOB, TIDAL_NAMESPACE, TIDAL_POD, TIDAL_RENDEZVOUS_HOST
@@ -319,7 +320,8 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
         identity = PodIdentity.from_env()
         result = run_agent(identity, kubeconfig=kubeconfig, threads=threads, steps=steps,
                            plan_device=plan_device, publish_interval_s=publish_interval_s,
-                           timeout_s=timeout_s, backend=backend, report_path=report)
+                           timeout_s=timeout_s, backend=backend, report_path=report,
+                           metrics_port=metrics_port)
     except (ControlError, JobSpecError, LayoutError, DeviceError) as err:
         raise click.ClickException(str(err)) from None
     if "params_sha256" in result:

@@ -16,8 +16,9 @@ Three parts, one per concern:
   generation, which switches at the following step. Every member reads that key before the
   step, so all switch at the same boundary; a joiner reads ``gen/<pod>``. A scale-up is
   announced once every pod it joins has registered.
-- ``AgentReport`` turns the worker's events into status fields on the leader and keeps the
-  JSON report of a run (per-step losses, switches, the parameter digest).
+- ``AgentReport`` turns the worker's events into status fields and Prometheus metrics
+  (tidal_agent.metrics) on the leader and keeps the JSON report of a run (per-step losses,
+  switches, the parameter digest).
 
 ``run_agent`` is ``tidal agent``: one pod's worker, its identity from the environment.
 """
@@ -46,6 +47,7 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.types import PatchType
 from pydantic import ValidationError
 
+from tidal_agent.metrics import AgentMetrics, JobMetrics
 from tidal_api import GROUP, KIND, VERSION, AppliedLayout, ElasticTrainingJob, JobStatus, Target
 from tidal_api import keys, parse_job
 from tidal_plan.elastic import Generation, TargetError, data_parallel_degree, next_generation
@@ -480,13 +482,16 @@ def applied_layout(layout: Layout) -> AppliedLayout:
 
 
 class AgentReport:
-    """The worker's events (``put``) as status fields on the leader and as a JSON report.
+    """The worker's events (``put``) as status fields and metrics on the leader, and as a
+    JSON report.
 
-    Every pod has one; only the leader's has a link and sees step and switch events.
+    Every pod has one; only the leader's has a link and metrics, and sees step and switch
+    events.
     """
 
-    def __init__(self, link: ControlLink | None, *, tokens_per_step: int, window: int = 10):
-        self.link, self.tokens_per_step = link, tokens_per_step
+    def __init__(self, link: ControlLink | None, *, tokens_per_step: int, window: int = 10,
+                 metrics: JobMetrics | None = None):
+        self.link, self.tokens_per_step, self.metrics = link, tokens_per_step, metrics
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
         self.generations: list[dict[str, Any]] = []
@@ -501,6 +506,9 @@ class AgentReport:
             self._step(payload)
         elif kind == "reconfig":
             self.reconfigurations.append(payload)
+            if self.metrics is not None:
+                self.metrics.switched(*payload["workers"], payload["pause_s"],
+                                      payload["bytes_moved"])
             gen = Generation(index=payload["generation"], at_step=payload["at_step"],
                              members=tuple(payload["members"]))
             self.applied(gen, Layout(**payload["to"]), switch_s=payload["pause_s"])
@@ -518,6 +526,9 @@ class AgentReport:
                                  "members": list(gen.members), "layout": layout.to_dict(),
                                  "switch_s": switch_s})
         self._recent.clear()  # step times of another layout
+        if self.metrics is not None:
+            self.metrics.applied(gen.index, len(gen.members), layout.dp, layout.pp,
+                                 self._predicted.get(gen.index))
         if self.link is None:
             return
         fields: dict[str, Any] = {
@@ -538,8 +549,11 @@ class AgentReport:
         self._recent.append(payload["seconds"])
         log.info("step %5d  pp%d  loss %.4f  %7.1f ms", payload["step"], payload["layout"]["pp"],
                  payload["loss"], payload["seconds"] * 1e3)
+        seconds = statistics.median(self._recent)
+        if self.metrics is not None:
+            self.metrics.stepped(payload["step"], payload["loss"], payload["seconds"],
+                                 self.tokens_per_step / seconds)
         if self.link is not None:
-            seconds = statistics.median(self._recent)
             self.link.publish(step=payload["step"] + 1, loss=payload["loss"],
                               step_seconds=seconds, tokens_per_second=self.tokens_per_step / seconds)
 
@@ -587,21 +601,32 @@ def run_agent(
     timeout_s: float = 120.0,
     backend: str = "gloo",
     report_path: str | Path | None = None,
+    metrics_port: int | None = None,
 ) -> dict[str, Any]:
     """Train as ``identity.pod`` until the job's last step or until released; the leader
-    returns (and writes to ``report_path``) the run's report, other pods what they saw."""
+    returns (and writes to ``report_path``) the run's report, other pods what they saw.
+    With ``metrics_port``, Prometheus metrics (tidal_agent.metrics) are served on it."""
     link = ControlLink(identity.job, identity.namespace, kubeconfig=kubeconfig,
                        publish_interval_s=publish_interval_s)
+    metrics = AgentMetrics(namespace=identity.namespace, job=identity.job, pod=identity.pod,
+                           leader=identity.pod == identity.leader)
     try:
+        if metrics_port:
+            try:
+                metrics.serve(metrics_port)
+            except OSError as err:
+                raise ControlError(f"cannot serve metrics on port {metrics_port}: {err}") from err
         return _run(identity, link, threads=threads, steps=steps, plan_device=plan_device,
-                    timeout_s=timeout_s, backend=backend, report_path=report_path)
+                    timeout_s=timeout_s, backend=backend, report_path=report_path,
+                    metrics=metrics.job)
     finally:
         link.close()
+        metrics.close()
 
 
 def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int | None,
          plan_device: str, timeout_s: float, backend: str,
-         report_path: str | Path | None) -> dict[str, Any]:
+         report_path: str | Path | None, metrics: JobMetrics | None) -> dict[str, Any]:
     from tidal_agent.worker import WorkerOptions, train
     from tidal_agent.world import Rendezvous
     from tidal_plan.devices import load_device
@@ -625,7 +650,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     ) if leading else None
     rendezvous = Rendezvous(host=identity.rendezvous_host, port=identity.rendezvous_port,
                             prefix=f"{identity.job}/", timeout_s=timeout_s, backend=backend)
-    report = AgentReport(link if leading else None,
+    report = AgentReport(link if leading else None, metrics=metrics,
                          tokens_per_step=spec.training.global_batch_size * spec.model.seq_len)
     device = load_device(plan_device)
     planner = LayoutPlanner(job, device)

@@ -373,10 +373,9 @@ class Controller:
             patch["conditions"] = new
         if patch:
             await self.adapter.patch_status(state.name, state.namespace, patch)
-        labels = (state.namespace, state.name)
-        self.metrics.job_workers.labels(*labels).set(len(status.members))
-        self.metrics.job_target_workers.labels(*labels).set(target.workers if target else 0)
-        self.metrics.job_generation.labels(*labels).set(status.generation)
+        self.metrics.observe_job(state.namespace, state.name, workers=len(status.members),
+                                 target_workers=target.workers if target else 0,
+                                 generation=status.generation)
 
     # ---- decisions --------------------------------------------------------------------------
 
@@ -412,7 +411,7 @@ class Controller:
         for name in target["join"]:
             await self.adapter.create(builders.worker_pod(
                 job, uid=uid, index=builders.worker_index(name), generation=generation))
-        self.metrics.decisions.labels(kind=decision.kind).inc()
+        self.metrics.decided(state.namespace, state.name, decision.kind)
         await self.adapter.event(dict(state.body), reason="ScaleUp" if up else "ScaleDown",
                                  message=f"{decision.reason}: {line}", now=now)
 

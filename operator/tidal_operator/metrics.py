@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 DECISION_KINDS = ("scale_up", "scale_down", "drain_deadline", "invalid")
+JOB_DECISION_KINDS = ("scale_up", "scale_down")
 
 
 class Metrics:
@@ -40,11 +41,35 @@ class Metrics:
             "job_target_workers", "Workers the operator asks for.", labels, **common
         )
         self.job_generation = Gauge("job_generation", "Applied generation.", labels, **common)
+        self.job_decisions = Counter(
+            "job_decisions", "Scale decisions taken for a job, by kind.", [*labels, "kind"],
+            **common
+        )
+
+    def observe_job(self, namespace: str, job: str, *, workers: int, target_workers: int,
+                    generation: int) -> None:
+        """A job's gauges; its decision counters start at 0 here, before any decision, so
+        that Prometheus sees the first one as an increase."""
+        self.job_workers.labels(namespace, job).set(workers)
+        self.job_target_workers.labels(namespace, job).set(target_workers)
+        self.job_generation.labels(namespace, job).set(generation)
+        for kind in JOB_DECISION_KINDS:
+            self.job_decisions.labels(namespace, job, kind)
+
+    def decided(self, namespace: str, job: str, kind: str) -> None:
+        """A scale decision applied to a job: counted overall and for the job."""
+        self.decisions.labels(kind=kind).inc()
+        self.job_decisions.labels(namespace, job, kind).inc()
 
     def forget_job(self, namespace: str, job: str) -> None:
         for gauge in (self.job_workers, self.job_target_workers, self.job_generation):
             try:
                 gauge.remove(namespace, job)
+            except KeyError:
+                pass
+        for kind in JOB_DECISION_KINDS:
+            try:
+                self.job_decisions.remove(namespace, job, kind)
             except KeyError:
                 pass
 
