@@ -3,7 +3,8 @@
 Every agent exports ``tidal_agent_up{namespace, job, pod}``. Only the leader sees the job's
 steps and switches, so only its ``AgentMetrics`` has a ``job`` (``JobMetrics``): one series
 per quantity with labels ``namespace`` and ``job``, created up front so that Prometheus sees
-them from the first scrape (a counter born at 1 hides its first increase). Each
+them from the first scrape (a counter born at 1 hides its first increase); gauges are NaN
+until the value they stand for exists. Each
 ``AgentMetrics`` has its own registry, never the process-global one, so that tests can build
 several. The labels ``namespace`` and ``job`` clash with the labels Prometheus attaches to a
 target; scrape with ``honor_labels: true`` (``honorLabels`` in a ServiceMonitor or PodMonitor).
@@ -54,7 +55,11 @@ class JobMetrics:
         self.pause = Histogram(
             "switch_pause_seconds", "Pauses of the switches.", labels, buckets=PAUSE_BUCKETS,
             **common).labels(*values)
-        self.predicted_step_seconds.set(math.nan)
+        # Nothing is known before generation 0 trains: a 0 would draw a false loss or layout.
+        for unknown in (self.loss, self.step_seconds, self.predicted_step_seconds,
+                        self.tokens_per_second, self.generation, self.workers, self.dp, self.pp,
+                        self.last_pause):
+            unknown.set(math.nan)
 
     def applied(self, generation: int, workers: int, dp: int, pp: int,
                 predicted_step_s: float | None) -> None:

@@ -102,7 +102,9 @@ def test_agent_metrics_follow_the_leaders_events():
     before = _samples(metrics.registry)
     assert before[("tidal_agent_up", *job[:1], ("namespace", "ns"), ("pod", "j-worker-0"))] == 1
     assert before[("tidal_agent_reconfigurations_total", ("direction", "grow"), *job)] == 0
-    assert math.isnan(before[("tidal_agent_predicted_step_seconds", *job)])
+    assert before[("tidal_agent_step", *job)] == 0
+    for unknown in ("loss", "predicted_step_seconds", "generation", "pp", "last_switch_pause_seconds"):
+        assert math.isnan(before[(f"tidal_agent_{unknown}", *job)]), unknown
 
     two, three = (build_layout(num_units=8, workers=w, micro_batch_size=2, num_micro_batches=8)
                   for w in (2, 3))
