@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import concurrent.futures
 import copy
@@ -47,6 +48,7 @@ import dataclasses
 import datetime
 import functools
 import gzip
+import hashlib
 import importlib.resources
 import ipaddress
 import itertools
@@ -94,12 +96,14 @@ INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease"
 SYSTEM_PRIORITY_CLASSES = {"system-cluster-critical": 2_000_000_000,
                            "system-node-critical": 2_000_001_000}
 SERVICE_CIDR = ipaddress.ip_network("10.96.0.0/12")
+KUBE_VERSION = "v1.33.0"  # the API version emulated, as /version reports it
 _CR_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 APPLY = "application/apply-patch+yaml"
+PROTOBUF = "application/vnd.kubernetes.protobuf"
 
 
 @functools.cache
@@ -317,6 +321,103 @@ def _merge_list(current: list[Any], patch: list[Any], key: str) -> list[Any]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Protobuf bodies: client-go's typed clients send built-in kinds in Kubernetes' protobuf
+# encoding (helm stores its releases as Secrets this way). Secrets and ConfigMaps, the kinds
+# that carry data, are decoded; other kinds are refused with 415.
+
+
+def _proto_message(data: bytes) -> dict[int, list[Any]]:
+    """A protobuf message's fields by number: varints as ints, length-delimited as bytes."""
+    fields: dict[int, list[Any]] = collections.defaultdict(list)
+    pos = 0
+
+    def varint() -> int:
+        nonlocal pos
+        result = shift = 0
+        while True:
+            byte = data[pos]
+            pos += 1
+            result |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return result
+
+    while pos < len(data):
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            fields[number].append(varint())
+        elif wire in (1, 2, 5):
+            size = {1: 8, 5: 4}.get(wire) or varint()
+            fields[number].append(data[pos:pos + size])
+            pos += size
+        else:
+            raise ValueError(f"protobuf wire type {wire} is not supported")
+    return fields
+
+
+def _proto_map(entries: list[bytes], value: Callable[[bytes], Any]) -> dict[str, Any]:
+    """A protobuf map<string, ...>: entries with the key in field 1 and the value in 2."""
+    out = {}
+    for entry in entries:
+        fields = _proto_message(entry)
+        out[(fields[1] or [b""])[0].decode()] = value((fields[2] or [b""])[0])
+    return out
+
+
+def _proto_metadata(data: bytes) -> Obj:
+    """ObjectMeta: what a client sets (the server owns the rest)."""
+    fields = _proto_message(data)
+    meta: Obj = {name: fields[number][0].decode() for number, name in (
+        (1, "name"), (2, "generateName"), (3, "namespace"), (5, "uid"), (6, "resourceVersion"))
+        if fields[number]}
+    for number, name in ((11, "labels"), (12, "annotations")):
+        if fields[number]:
+            meta[name] = _proto_map(fields[number], bytes.decode)
+    if fields[14]:
+        meta["finalizers"] = [f.decode() for f in fields[14]]
+    owners = []
+    for ref in map(_proto_message, fields[13]):
+        owner = {name: ref[number][0].decode() for number, name in (
+            (1, "kind"), (3, "name"), (4, "uid"), (5, "apiVersion")) if ref[number]}
+        owner |= {name: bool(ref[number][0]) for number, name in (
+            (6, "controller"), (7, "blockOwnerDeletion")) if ref[number]}
+        owners.append(owner)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta
+
+
+def _from_protobuf(resource: Resource, body: bytes) -> Obj:
+    """A Secret or ConfigMap from its protobuf encoding: the ``k8s\\0`` magic, then a
+    runtime.Unknown (type meta, raw object)."""
+    if not (resource.is_("", "secrets") or resource.is_("", "configmaps")):
+        raise api_error(415, "UnsupportedMediaType", f"the emulator reads {resource.qualified} "
+                        "as JSON only, not protobuf")
+    try:
+        if not body.startswith(b"k8s\x00"):
+            raise ValueError("no k8s protobuf envelope")
+        envelope = _proto_message(body[4:])
+        obj = _proto_message((envelope[2] or [b""])[0])
+        out: Obj = {"apiVersion": "v1", "kind": resource.kind,
+                    "metadata": _proto_metadata((obj[1] or [b""])[0])}
+        b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+        if resource.is_("", "secrets"):
+            maps = {"data": (2, b64), "stringData": (4, bytes.decode)}
+            out |= {"type": obj[3][0].decode()} if obj[3] else {}
+            out |= {"immutable": bool(obj[5][0])} if obj[5] else {}
+        else:
+            maps = {"data": (2, bytes.decode), "binaryData": (3, b64)}
+            out |= {"immutable": bool(obj[4][0])} if obj[4] else {}
+        for name, (number, value) in maps.items():
+            if obj[number]:
+                out[name] = _proto_map(obj[number], value)
+    except (ValueError, IndexError) as exc:
+        raise api_error(400, "BadRequest", f"the protobuf body could not be decoded: {exc}") \
+            from None
+    return out
+
+# ------------------------------------------------------------------------------------------------
 # Validation of names, labels and metadata (the messages follow the API server's)
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
@@ -432,6 +533,7 @@ class Emulator(kmock.KubernetesScaffold):
         for key, info in _builtin_resources().items():
             self.resources[key] = copy.deepcopy(info)
         self.fallback[self._is_object_request] << self._serve
+        self.fallback["get", re.compile(r"/openapi/v3(/.+)?")] << self._serve_openapi
         for name in INITIAL_NAMESPACES:
             self.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
         for name, value in SYSTEM_PRIORITY_CLASSES.items():
@@ -528,19 +630,28 @@ class Emulator(kmock.KubernetesScaffold):
         method = request.method.value
         if ns is not None and not resource.namespaced:
             raise api_error(404, "NotFound", "the server could not find the requested resource")
+        table = _wants_table(request)
         if method == "GET" and params.get("watch") in ("true", "1"):
-            return kmock.Response(status=200, payload=self._watch(resource, ns, name, params))
+            events = self._watch(resource, ns, name, params)
+            if table:
+                events = self._table_events(resource, events, params)
+            # kubectl reads a watch only with the content type a real server sends
+            return kmock.Response(status=200, payload=events,
+                                  headers={"Content-Type": "application/json"})
         if sub not in (None, "status") and not (resource.is_("", "pods") and sub == "binding"):
             raise api_error(404, "NotFound", f"the server could not find the requested resource "
                             f"({sub})")
         if sub == "status" and "status" not in resource.subresources:
             raise api_error(404, "NotFound", f"{resource.qualified} have no status subresource")
         dry = params.get("dryRun") == "All"
-        body = _body(request)
+        protobuf = request.headers.get("Content-Type", "").startswith(PROTOBUF)
+        body = _from_protobuf(resource, request.body) if protobuf else _body(request)
         status, payload = 200, None
         if method == "GET":
             payload = (self._list(resource, ns, params) if name is None
                        else self._output(resource, self._current(resource, ns, name)))
+            if table:
+                payload = self._table(resource, payload, params)
         elif method == "POST" and name is None:
             if resource.namespaced and ns is None:
                 raise api_error(405, "MethodNotAllowed", "create namespaced objects in a namespace")
@@ -1171,6 +1282,92 @@ class Emulator(kmock.KubernetesScaffold):
                 self._commit(_orphaned_resource(obj, spec), key, "DELETED", obj, obj)
 
 
+    # -- what kubectl and helm ask for: tables, OpenAPI, the server's version -------------------
+
+    def _table(self, resource: Resource, payload: Obj, params: Mapping[str, str]) -> Obj:
+        """A ``meta.k8s.io/v1`` Table of a list (or of one object), the form ``kubectl get``
+        prints: a CRD's printer columns, the usual columns of a few built-in kinds, else Name
+        and Age. Rows carry the object's metadata, or the object with ``includeObject=Object``."""
+        columns = self._columns(resource)
+        listed = payload.get("kind") == f"{resource.kind}List"
+        items = payload["items"] if listed else [payload]
+        include = params.get("includeObject", "Metadata")
+        rows = []
+        for item in items:
+            row: Obj = {"cells": [cell(item) for _, cell in columns]}
+            if include == "Object":
+                row["object"] = {"apiVersion": resource.api_version, "kind": resource.kind, **item}
+            elif include != "None":
+                row["object"] = {"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                                 "metadata": item["metadata"]}
+            rows.append(row)
+        meta = payload["metadata"] if listed else {
+            "resourceVersion": payload["metadata"].get("resourceVersion", "")}
+        return {"apiVersion": "meta.k8s.io/v1", "kind": "Table", "metadata": meta,
+                "columnDefinitions": [definition for definition, _ in columns], "rows": rows}
+
+    async def _table_events(self, resource: Resource, events: AsyncIterator[Any],
+                            params: Mapping[str, str]) -> AsyncIterator[Any]:
+        """``kubectl get -w``: each watch event carries a one-row Table."""
+        async for event in events:
+            if isinstance(event, dict) and event.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                event = {**event, "object": self._table(resource, event["object"], params)}
+            yield event
+
+    def _columns(self, resource: Resource) -> list[Column]:
+        if not resource.custom:
+            return _BUILTIN_COLUMNS.get((resource.group, resource.plural),
+                                        [NAME_COLUMN, AGE_COLUMN])
+        crd = self._objects.get(("apiextensions.k8s.io", "customresourcedefinitions", None,
+                                 f"{resource.plural}.{resource.group}")) or {}
+        version = next((v for v in (crd.get("spec") or {}).get("versions", ())
+                        if v.get("name") == resource.version), {})
+        printed = version.get("additionalPrinterColumns") or []
+        return [NAME_COLUMN, *map(_printer_column, printed)] if printed else [NAME_COLUMN,
+                                                                               AGE_COLUMN]
+
+    async def _serve_openapi(self, request: kmock.Request) -> kmock.Payload:
+        """``/openapi/v3`` and a document per group-version, just enough for kubectl and helm
+        to see that every PATCH takes ``fieldValidation``: they then leave validation to the
+        server, as with a real one (else they would want OpenAPI v2 schemas, not served here).
+        No component schemas: kubectl builds strategic merge patches from its own types."""
+        documents = self._openapi_documents()
+        path = request.url.path.removeprefix("/openapi/v3").strip("/")
+        if not path:
+            return {"paths": {gv: {"serverRelativeURL": f"/openapi/v3/{gv}?hash="
+                                   + hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]}
+                              for gv, doc in documents.items()}}
+        if path not in documents:
+            raise api_error(404, "NotFound", "the server could not find the requested resource")
+        return documents[path]
+
+    def _openapi_documents(self) -> dict[str, Obj]:
+        paths: dict[str, Obj] = {}
+        query = [{"name": name, "in": "query", "schema": {"type": "string", "uniqueItems": True}}
+                 for name in ("dryRun", "fieldManager", "fieldValidation", "force")]
+        for key, info in sorted(self.resources.items(), key=lambda item: str(item[0])):
+            group, version, plural = key.group or "", key.version or "", key.plural or ""
+            gv = f"apis/{group}/{version}" if group else f"api/{version}"
+            scope = "namespaces/{namespace}/" if info.namespaced else ""
+            paths.setdefault(gv, {})[f"/{gv}/{scope}{plural}/{{name}}"] = {"patch": {
+                "operationId": f"patch{info.kind}", "parameters": query,
+                "responses": {"200": {"description": "OK"}},
+                "x-kubernetes-action": "patch",
+                "x-kubernetes-group-version-kind": {"group": group, "version": version,
+                                                    "kind": info.kind},
+            }}
+        return {gv: {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": KUBE_VERSION},
+                     "paths": gv_paths, "components": {"schemas": {}}}
+                for gv, gv_paths in paths.items()}
+
+    async def _serve_server_version(self, request: kmock.Request) -> kmock.Payload:
+        """The Kubernetes version whose API this emulates (helm reads it for Capabilities)."""
+        major, minor, _ = KUBE_VERSION.removeprefix("v").split(".", 2)
+        return {"major": major, "minor": minor, "gitVersion": f"{KUBE_VERSION}+tidal.emulator",
+                "gitCommit": "", "gitTreeState": "clean", "buildDate": "1970-01-01T00:00:00Z",
+                "goVersion": "python", "compiler": "tidal", "platform": "linux/amd64"}
+
+
 def _orphaned_resource(obj: Obj, spec: Obj) -> Resource:
     """A custom resource's descriptor after its CRD is gone, to record its deletion."""
     group, _, version = obj["apiVersion"].rpartition("/")
@@ -1332,6 +1529,163 @@ def _crd_status(crd: Obj) -> Obj:
     }
 
 
+# ------------------------------------------------------------------------------------------------
+# Tables: the columns ``kubectl get`` prints, computed by the server as a real one does
+
+Column = tuple[Obj, Callable[[Obj], Any]]  # its definition in a Table, and its cell of an object
+
+
+def _wants_table(request: kmock.Request) -> bool:
+    """``kubectl get`` asks for ``application/json;as=Table;v=v1;g=meta.k8s.io`` first."""
+    accept = next((v for k, v in request.headers.items() if k.lower() == "accept"), "")
+    first = accept.split(",")[0]
+    params = dict(p.strip().partition("=")[::2] for p in first.split(";")[1:])
+    return params.get("as") == "Table" and params.get("g") == "meta.k8s.io"
+
+
+def human_duration(seconds: float) -> str:
+    """An age as kubectl prints it (k8s.io/apimachinery's ``duration.HumanDuration``)."""
+    s = int(seconds)
+    if s < -1:
+        return "<invalid>"
+    m, h, d = s // 60, s // 3600, s // 86400
+    if s < 120:
+        return f"{max(s, 0)}s"
+    if m < 10:
+        return f"{m}m{s % 60}s" if s % 60 else f"{m}m"
+    if m < 180:
+        return f"{m}m"
+    if h < 8:
+        return f"{h}h{m % 60}m" if m % 60 else f"{h}h"
+    if h < 48:
+        return f"{h}h"
+    if h < 192:
+        return f"{d}d{h % 24}h" if h % 24 else f"{d}d"
+    return f"{d}d"
+
+
+def _age(timestamp: Any) -> str:
+    if not isinstance(timestamp, str) or not timestamp:
+        return "<unknown>"
+    then = datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    return human_duration((datetime.datetime.now(datetime.UTC) - then).total_seconds())
+
+
+def json_path(obj: Any, path: str) -> Any:
+    """A printer column's simple JSONPath (``.status.layout.pp``, ``.spec.items[0].name``);
+    None where a step is missing."""
+    value = obj
+    for name, index in re.findall(r"\.([^.\[\]]+)|\[(\d+)\]", path):
+        if name:
+            value = value.get(name) if isinstance(value, dict) else None
+        else:
+            value = value[int(index)] if isinstance(value, list) and int(index) < len(
+                value) else None
+    return value
+
+
+def _column(name: str, cell: Callable[[Obj], Any], type: str = "string", priority: int = 0,
+            format: str = "", description: str = "") -> Column:
+    return ({"name": name, "type": type, "format": format, "description": description,
+             "priority": priority}, cell)
+
+
+def _printer_column(column: Obj) -> Column:
+    """A CRD's additionalPrinterColumns entry; dates print as ages, as the server does."""
+    path = column["jsonPath"]
+    cell = ((lambda obj: _age(json_path(obj, path))) if column["type"] == "date"
+            else (lambda obj: json_path(obj, path)))
+    return _column(column["name"], cell, column["type"], column.get("priority", 0),
+                   column.get("format", ""), column.get("description", ""))
+
+
+NAME_COLUMN = _column("Name", lambda o: o["metadata"]["name"], format="name",
+                      description="Name must be unique within a namespace.")
+AGE_COLUMN = _column("Age", lambda o: _age(o["metadata"].get("creationTimestamp")),
+                     description="The time since the object was created.")
+
+
+def _status(obj: Obj, *path: str) -> Any:
+    return json_path(obj, "".join(f".{step}" for step in ("status", *path)))
+
+
+def _pod_ready(pod: Obj) -> str:
+    containers = (pod.get("spec") or {}).get("containers") or []
+    statuses = _status(pod, "containerStatuses")
+    if statuses:
+        ready = sum(bool(c.get("ready")) for c in statuses)
+    else:  # the local kubelet sets conditions only
+        conditions = _status(pod, "conditions") or []
+        ready = len(containers) if any(c.get("type") == "Ready" and c.get("status") == "True"
+                                       for c in conditions) else 0
+    return f"{ready}/{len(containers)}"
+
+
+def _pod_status(pod: Obj) -> str:
+    if pod["metadata"].get("deletionTimestamp"):
+        return "Terminating"
+    return _status(pod, "reason") or _status(pod, "phase") or "Unknown"
+
+
+def _node_status(node: Obj) -> str:
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                for c in _status(node, "conditions") or [])
+    text = "Ready" if ready else "NotReady"
+    return text + (",SchedulingDisabled" if (node.get("spec") or {}).get("unschedulable") else "")
+
+
+def _service_ports(service: Obj) -> str:
+    ports = (service.get("spec") or {}).get("ports") or []
+    return ",".join(f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in ports) or "<none>"
+
+
+def _event_object(event: Obj) -> str:
+    involved = event.get("involvedObject") or {}
+    return f"{str(involved.get('kind', '')).lower()}/{involved.get('name', '')}"
+
+
+_BUILTIN_COLUMNS: dict[tuple[str, str], list[Column]] = {
+    ("", "pods"): [
+        NAME_COLUMN,
+        _column("Ready", _pod_ready), _column("Status", _pod_status),
+        _column("Restarts", lambda p: sum(c.get("restartCount", 0)
+                                          for c in _status(p, "containerStatuses") or []),
+                "integer"),
+        AGE_COLUMN,
+        _column("IP", lambda p: _status(p, "podIP") or "<none>", priority=1),
+        _column("Node", lambda p: (p.get("spec") or {}).get("nodeName") or "<none>", priority=1),
+    ],
+    ("", "nodes"): [
+        NAME_COLUMN,
+        _column("Status", _node_status), _column("Roles", lambda n: "<none>"), AGE_COLUMN,
+        _column("Version", lambda n: _status(n, "nodeInfo", "kubeletVersion") or ""),
+    ],
+    ("", "namespaces"): [NAME_COLUMN, _column("Status", lambda n: _status(n, "phase")),
+                         AGE_COLUMN],
+    ("", "services"): [
+        NAME_COLUMN,
+        _column("Type", lambda s: s["spec"].get("type")),
+        _column("Cluster-IP", lambda s: s["spec"].get("clusterIP")),
+        _column("External-IP", lambda s: "<none>"), _column("Port(s)", _service_ports),
+        AGE_COLUMN,
+    ],
+    ("", "events"): [  # the Name last and only with -o wide, as a real server has it
+        _column("Last Seen", lambda e: _age(e.get("lastTimestamp") or e.get("eventTime")
+                                            or e["metadata"].get("creationTimestamp"))),
+        _column("Type", lambda e: e.get("type")), _column("Reason", lambda e: e.get("reason")),
+        _column("Object", _event_object), _column("Message", lambda e: e.get("message")),
+        (NAME_COLUMN[0] | {"priority": 1}, NAME_COLUMN[1]),
+    ],
+    ("apps", "deployments"): [
+        NAME_COLUMN,
+        _column("Ready", lambda d: f"{_status(d, 'readyReplicas') or 0}/"
+                                   f"{(d.get('spec') or {}).get('replicas', 1)}"),
+        _column("Up-to-date", lambda d: _status(d, "updatedReplicas") or 0, "integer"),
+        _column("Available", lambda d: _status(d, "availableReplicas") or 0, "integer"),
+        AGE_COLUMN,
+    ],
+}
+
 def _watch_error(code: int, reason: str, message: str) -> Obj:
     status = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
               "code": code, "reason": reason, "message": message}
@@ -1356,8 +1710,10 @@ def _object(body: Any) -> Obj:
 async def _parse_request(raw: aiohttp.web.BaseRequest, id: int) -> kmock.Request:
     """kmock's request, from a path parser that tells ``/api/v1/namespaces/{name}`` (a
     namespace) from ``/api/v1/namespaces/{namespace}/{plural}``."""
+    body = await raw.read()
+    text = body.decode("utf-8", errors="replace")  # protobuf bodies are not text
     try:
-        data = await raw.json() if raw.body_exists else None
+        data = json.loads(text) if raw.body_exists else None
     except ValueError:
         data = None
     path = parse_path(raw.path)
@@ -1366,8 +1722,8 @@ async def _parse_request(raw: aiohttp.web.BaseRequest, id: int) -> kmock.Request
         group=path.group, version=path.version, plural=path.plural)
     return kmock.Request(
         id=id, raw_request=raw, url=raw.url, method=raw.method, params=dict(raw.query),
-        headers=dict(raw.headers), cookies=dict(raw.cookies), data=data, body=await raw.read(),
-        text=await raw.text(), action=parsing.guess_k8s(path, method, dict(raw.query)),
+        headers=dict(raw.headers), cookies=dict(raw.cookies), data=data, body=body,
+        text=text, action=parsing.guess_k8s(path, method, dict(raw.query)),
         resource=resource, namespace=path.namespace, name=path.name, subresource=path.subresource,
     )
 
