@@ -1,7 +1,7 @@
 """Write crds/elastictrainingjobs.tidal.dev.yaml from the types in tidal_api.
 
-    python tools/gen_crd.py            # rewrite the checked-in CRD
-    python tools/gen_crd.py --check    # exit 1 if it is out of date
+    python tools/gen_crd.py            # rewrite the checked-in CRD and the Helm chart's copy
+    python tools/gen_crd.py --check    # exit 1 if either is out of date
 
 The YAML writing lives here, not in tidal_api.crd, because tidal_api is stdlib + pydantic only.
 """
@@ -18,6 +18,7 @@ from tidal_api.crd import CRD_NAME, crd
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_PATH = ROOT / "crds" / f"{CRD_NAME}.yaml"
+CHART_CRD_PATH = ROOT / "charts" / "tidal" / "crds" / f"{CRD_NAME}.yaml"  # helm installs it
 HEADER = "# Generated from operator/tidal_api by tools/gen_crd.py: edit the types, not this file.\n"
 
 
@@ -29,15 +30,17 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if the file is out of date")
-    parser.add_argument("path", nargs="?", type=Path, default=CRD_PATH)
+    parser.add_argument("path", nargs="?", type=Path, help="this file only")
     args = parser.parse_args(argv)
     text = render()
+    paths = [args.path] if args.path else [CRD_PATH, CHART_CRD_PATH]
     if args.check:
-        if not args.path.exists() or args.path.read_text() != text:
-            print(f"{args.path} is out of date: run python tools/gen_crd.py", file=sys.stderr)
-            return 1
-        return 0
-    args.path.write_text(text)
+        stale = [path for path in paths if not path.exists() or path.read_text() != text]
+        for path in stale:
+            print(f"{path} is out of date: run python tools/gen_crd.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path in paths:
+        path.write_text(text)
     return 0
 
 

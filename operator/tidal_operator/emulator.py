@@ -322,8 +322,27 @@ def _merge_list(current: list[Any], patch: list[Any], key: str) -> list[Any]:
 
 # ------------------------------------------------------------------------------------------------
 # Protobuf bodies: client-go's typed clients send built-in kinds in Kubernetes' protobuf
-# encoding (helm stores its releases as Secrets this way). Secrets and ConfigMaps, the kinds
-# that carry data, are decoded; other kinds are refused with 415.
+# encoding (helm stores its releases as Secrets so; ``kubectl create secret|configmap|namespace|
+# serviceaccount`` too). Those kinds are decoded; others are refused with 415.
+
+# Per kind: the fields of its protobuf message after metadata (1), as (number, name, decoder);
+# a field not listed here, if not empty, is refused rather than dropped.
+_b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+_PROTOBUF_FIELDS: dict[str, tuple[tuple[int, str, Callable[[Any], Any]], ...]] = {
+    "secrets": ((2, "data", lambda v: _proto_map(v, _b64)),
+                (3, "type", lambda v: v[0].decode()),
+                (4, "stringData", lambda v: _proto_map(v, bytes.decode)),
+                (5, "immutable", lambda v: bool(v[0]))),
+    "configmaps": ((2, "data", lambda v: _proto_map(v, bytes.decode)),
+                   (3, "binaryData", lambda v: _proto_map(v, _b64)),
+                   (4, "immutable", lambda v: bool(v[0]))),
+    "namespaces": ((2, "spec", lambda v: {"finalizers": [
+                        f.decode() for f in _proto_message(v[0])[1]]}),
+                   (3, "status", lambda v: {})),  # the server's to set
+    "serviceaccounts": ((3, "imagePullSecrets", lambda v: [
+                             {"name": _proto_message(ref)[1][0].decode()} for ref in v]),
+                        (4, "automountServiceAccountToken", lambda v: bool(v[0]))),
+}
 
 
 def _proto_message(data: bytes) -> dict[int, list[Any]]:
@@ -370,7 +389,7 @@ def _proto_metadata(data: bytes) -> Obj:
     fields = _proto_message(data)
     meta: Obj = {name: fields[number][0].decode() for number, name in (
         (1, "name"), (2, "generateName"), (3, "namespace"), (5, "uid"), (6, "resourceVersion"))
-        if fields[number]}
+        if fields[number] and fields[number][0]}  # protobuf writes empty strings too
     for number, name in ((11, "labels"), (12, "annotations")):
         if fields[number]:
             meta[name] = _proto_map(fields[number], bytes.decode)
@@ -389,32 +408,27 @@ def _proto_metadata(data: bytes) -> Obj:
 
 
 def _from_protobuf(resource: Resource, body: bytes) -> Obj:
-    """A Secret or ConfigMap from its protobuf encoding: the ``k8s\\0`` magic, then a
-    runtime.Unknown (type meta, raw object)."""
-    if not (resource.is_("", "secrets") or resource.is_("", "configmaps")):
+    """An object of the kinds above from its protobuf encoding: the magic ``k8s`` and a zero
+    byte, then a runtime.Unknown whose field 2 is the object's message."""
+    known = _PROTOBUF_FIELDS.get(resource.plural) if not resource.group else None
+    if known is None:
         raise api_error(415, "UnsupportedMediaType", f"the emulator reads {resource.qualified} "
                         "as JSON only, not protobuf")
     try:
         if not body.startswith(b"k8s\x00"):
             raise ValueError("no k8s protobuf envelope")
-        envelope = _proto_message(body[4:])
-        obj = _proto_message((envelope[2] or [b""])[0])
+        obj = _proto_message((_proto_message(body[4:])[2] or [b""])[0])
         out: Obj = {"apiVersion": "v1", "kind": resource.kind,
-                    "metadata": _proto_metadata((obj[1] or [b""])[0])}
-        b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
-        if resource.is_("", "secrets"):
-            maps = {"data": (2, b64), "stringData": (4, bytes.decode)}
-            out |= {"type": obj[3][0].decode()} if obj[3] else {}
-            out |= {"immutable": bool(obj[5][0])} if obj[5] else {}
-        else:
-            maps = {"data": (2, bytes.decode), "binaryData": (3, b64)}
-            out |= {"immutable": bool(obj[4][0])} if obj[4] else {}
-        for name, (number, value) in maps.items():
-            if obj[number]:
-                out[name] = _proto_map(obj[number], value)
+                    "metadata": _proto_metadata((obj.pop(1, None) or [b""])[0])}
+        for number, name, decode in known:
+            if values := obj.pop(number, None):
+                out[name] = decode(values)
     except (ValueError, IndexError) as exc:
         raise api_error(400, "BadRequest", f"the protobuf body could not be decoded: {exc}") \
             from None
+    if any(value not in (b"", 0) for values in obj.values() for value in values):
+        raise api_error(415, "UnsupportedMediaType", f"the emulator decodes only some fields of "
+                        f"{resource.qualified} from protobuf: send JSON")
     return out
 
 # ------------------------------------------------------------------------------------------------
@@ -1785,14 +1799,16 @@ async def serve(host: str = "127.0.0.1", port: int = 0, kubeconfig: str | Path |
             await runner.cleanup()
 
 
-def write_kubeconfig(path: str | Path, url: str, namespace: str = "default") -> Path:
-    """A kubeconfig for the emulator: plain HTTP, a token user (any token is accepted)."""
+def write_kubeconfig(path: str | Path, url: str, namespace: str = "default",
+                     token: str = "tidal-emulator") -> Path:
+    """A kubeconfig for the emulator: plain HTTP, a token user (any token is accepted; tests
+    tell clients apart by their token in the recorded requests)."""
     path = Path(path)
     config = {
         "apiVersion": "v1", "kind": "Config", "current-context": "tidal-emulator",
         "clusters": [{"name": "tidal-emulator",
                       "cluster": {"server": url, "insecure-skip-tls-verify": True}}],
-        "users": [{"name": "tidal", "user": {"token": "tidal-emulator"}}],
+        "users": [{"name": "tidal", "user": {"token": token}}],
         "contexts": [{"name": "tidal-emulator", "context": {
             "cluster": "tidal-emulator", "user": "tidal", "namespace": namespace}}],
     }
