@@ -1159,6 +1159,8 @@ class Emulator(kmock.KubernetesScaffold):
             errors = self._admit_pod(obj, old)
         elif resource.is_("", "services"):
             errors = self._admit_service(obj, old)
+        elif resource.is_("", "secrets"):
+            obj["type"] = obj.get("type") or "Opaque"
         elif resource.is_("", "namespaces"):
             phase = (old or {}).get("status", {}).get("phase", "Active")
             obj.setdefault("status", {})["phase"] = phase
@@ -1575,7 +1577,12 @@ def human_duration(seconds: float) -> str:
         return f"{h}h"
     if h < 192:
         return f"{d}d{h % 24}h" if h % 24 else f"{d}d"
-    return f"{d}d"
+    y = d // 365
+    if y < 2:
+        return f"{d}d"
+    if y < 8:
+        return f"{y}y{d % 365}d" if d % 365 else f"{y}y"
+    return f"{y}y"
 
 
 def _age(timestamp: Any) -> str:

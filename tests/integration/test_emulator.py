@@ -26,7 +26,8 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
 
-from tidal_operator.emulator import (Emulator, label_selector, merge_patch, serve,
+from tests import tools
+from tidal_operator.emulator import (Emulator, human_duration, label_selector, merge_patch, serve,
                                      strategic_merge_patch, write_kubeconfig)
 from tidal_operator.localcluster import (DURATION_ANNOTATION, ClusterApi, Kubelet, Scheduler,
                                          create_nodes, register_nodes, run)
@@ -704,3 +705,164 @@ async def test_a_running_pod_terminates_gracefully_through_the_kubelet(served, a
         await api.create(PODS, gpu_pod("unbound", 4))
         await api.delete(f"{PODS}/unbound")  # never scheduled: gone at once
         await api.get(f"{PODS}/unbound", expect=404)
+
+
+# -- what kubectl and helm need: tables, OpenAPI v3, protobuf bodies ------------------------------
+
+TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json"
+
+
+@pytest.mark.parametrize(("seconds", "printed"), [
+    (-5, "<invalid>"), (-1, "0s"), (0, "0s"), (70, "70s"), (119, "119s"), (120, "2m"),
+    (190, "3m10s"), (600, "10m"), (70 * 60, "70m"), (3 * 3600, "3h"), (3 * 3600 + 60, "3h1m"),
+    (47 * 3600, "47h"), (49 * 3600, "2d1h"), (8 * 86400, "8d"), (367 * 86400, "367d"),
+    (731 * 86400, "2y1d"), (9 * 365 * 86400, "9y")])
+def test_ages_read_as_kubectl_prints_them(seconds, printed):
+    assert human_duration(seconds) == printed
+
+
+@pytest.mark.asyncio
+async def test_tables_carry_printer_columns_for_kubectl_get(api, crd, served):
+    crd_columns = [{"name": "Workers", "type": "integer", "jsonPath": ".status.workers"},
+                   {"name": "Image", "type": "string", "jsonPath": ".spec.image", "priority": 1},
+                   {"name": "First", "type": "string", "jsonPath": ".spec.tags[0]"},
+                   {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+    versions = [{**CRD["spec"]["versions"][0], "additionalPrinterColumns": crd_columns}]
+    await api.patch(f"{CRDS}/elastictrainingjobs.tidal.dev", {"spec": {"versions": versions}})
+    await api.create(ETJ, job("j1", image="agent:1", tags=["a", "b"]))
+    await api.patch(f"{ETJ}/j1/status", {"status": {"workers": 3}})
+    await api.create(PODS, pod("p1"))
+
+    async def table(path: str, **params: str) -> dict[str, Any]:
+        async with api.session.get(path, params=params, headers={"Accept": TABLE}) as rsp:
+            assert rsp.status == 200
+            return await rsp.json()
+
+    listed = await table(ETJ)
+    assert listed["kind"] == "Table" and listed["apiVersion"] == "meta.k8s.io/v1"
+    assert [(c["name"], c["type"], c["priority"]) for c in listed["columnDefinitions"]] == [
+        ("Name", "string", 0), ("Workers", "integer", 0), ("Image", "string", 1),
+        ("First", "string", 0), ("Age", "date", 0)]
+    [row] = listed["rows"]
+    assert row["cells"][:4] == ["j1", 3, "agent:1", "a"] and re.fullmatch(r"\d+s", row["cells"][4])
+    assert row["object"]["kind"] == "PartialObjectMetadata"
+    assert row["object"]["metadata"]["name"] == "j1"
+    assert listed["metadata"]["resourceVersion"]
+
+    one = await table(f"{ETJ}/j1", includeObject="Object")
+    assert one["rows"][0]["object"]["spec"]["image"] == "agent:1"
+    assert "object" not in (await table(ETJ, includeObject="None"))["rows"][0]
+
+    pods = await table(PODS)
+    assert [c["name"] for c in pods["columnDefinitions"]] == [
+        "Name", "Ready", "Status", "Restarts", "Age", "IP", "Node"]
+    assert pods["rows"][0]["cells"][:4] == ["p1", "0/1", "Pending", 0]
+    namespaces = await table("/api/v1/namespaces")
+    assert ["default", "Active"] == namespaces["rows"][0]["cells"][:2]
+
+    async with api.session.get(ETJ, params={"watch": "true", "timeoutSeconds": "0.3"},
+                               headers={"Accept": TABLE}) as rsp:
+        assert rsp.headers["Content-Type"] == "application/json"
+        events = [json.loads(line) async for line in rsp.content if line.strip()]
+    assert [(e["type"], e["object"]["kind"], e["object"]["rows"][0]["cells"][1])
+            for e in events] == [("ADDED", "Table", 3)]
+
+    # A client that asks for JSON gets the objects, as before.
+    assert (await api.get(ETJ))["items"][0]["spec"]["image"] == "agent:1"
+
+
+@pytest.mark.asyncio
+async def test_openapi_v3_leaves_field_validation_to_the_server(api, crd):
+    index = await api.get("/openapi/v3")
+    assert {"api/v1", "apis/apps/v1", "apis/tidal.dev/v1alpha1"} <= index["paths"].keys()
+    url = index["paths"]["apis/tidal.dev/v1alpha1"]["serverRelativeURL"]
+    assert url.startswith("/openapi/v3/apis/tidal.dev/v1alpha1?hash=")
+    document = await api.get(url)
+    patch = document["paths"][
+        "/apis/tidal.dev/v1alpha1/namespaces/{namespace}/elastictrainingjobs/{name}"]["patch"]
+    assert patch["x-kubernetes-group-version-kind"] == {
+        "group": "tidal.dev", "version": "v1alpha1", "kind": "ElasticTrainingJob"}
+    assert "fieldValidation" in {p["name"] for p in patch["parameters"]}
+    nodes = (await api.get("/openapi/v3/api/v1"))["paths"]["/api/v1/nodes/{name}"]["patch"]
+    assert nodes["x-kubernetes-group-version-kind"]["kind"] == "Node"
+    await api.call("GET", "/openapi/v3/apis/nothing.example/v1", expect=404)
+    version = await api.get("/version")
+    assert version["gitVersion"].startswith("v1.33.") and version["minor"] == "33"
+
+
+def _kubectl(cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(tools.kubectl()), "--kubeconfig", str(cluster.kubeconfig), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 or not check, f"kubectl {' '.join(args)}: {done.stderr}"
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_kubectl_applies_gets_describes_and_watches(emulator):
+    """The real kubectl v1.33: apply (OpenAPI v3, server-side field validation), get with the
+    CRD's printer columns, describe with the job's Events (field selectors on involvedObject),
+    get -w, and the protobuf bodies of ``kubectl create``."""
+    crd_file = str(ROOT / "crds" / "elastictrainingjobs.tidal.dev.yaml")
+    assert "created" in _kubectl(emulator, "apply", "-f", crd_file).stdout
+    assert "created" in _kubectl(emulator, "apply", "-f", str(ROOT / "examples/tiny.yaml")).stdout
+    assert "unchanged" in _kubectl(emulator, "apply", "-f", str(ROOT / "examples/tiny.yaml")).stdout
+    status = {"workers": 2, "phase": "Running", "step": 5, "layout": {
+        "dp": 1, "pp": 2, "partition": [4, 4], "schedule": "1f1b", "microBatchSize": 2,
+        "numMicroBatches": 8}}
+    _kubectl(emulator, "patch", "etj", "tiny", "--subresource=status", "--type=merge",
+             "-p", json.dumps({"status": status}))
+    uid = emulator.call(emulator.emulator.get, ETJ_RESOURCE, "default", "tiny")["metadata"]["uid"]
+    for name, (reason, message, kind, target) in {
+        "tiny.1": ("ScaleUp", "2 -> 4 workers: 2 GPUs idle", "ElasticTrainingJob", "tiny"),
+        "tiny.2": ("ScaleDown", "4 -> 2 workers: a pod waits", "ElasticTrainingJob", "tiny"),
+        "other.1": ("Elsewhere", "not about tiny", "Pod", "tiny"),
+    }.items():
+        emulator.call(emulator.emulator.create, {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": name, "namespace": "default"},
+            "involvedObject": {"apiVersion": "tidal.dev/v1alpha1" if kind != "Pod" else "v1",
+                               "kind": kind, "name": target, "namespace": "default",
+                               "uid": uid if kind != "Pod" else "0"},
+            "reason": reason, "message": message, "type": "Normal", "count": 1,
+            "source": {"component": "tidal-operator"},
+            "firstTimestamp": "2026-01-01T00:00:00Z", "lastTimestamp": "2026-01-01T00:00:00Z"})
+
+    header, row = _kubectl(emulator, "get", "etj").stdout.splitlines()
+    assert header.split() == ["NAME", "WORKERS", "PP", "DP", "STEP", "PHASE", "AGE"]
+    assert row.split()[:6] == ["tiny", "2", "2", "1", "5", "Running"]
+    described = _kubectl(emulator, "describe", "etj", "tiny").stdout
+    events = described[described.index("Events:"):]
+    assert "ScaleUp" in events and "2 -> 4 workers: 2 GPUs idle" in events
+    assert "ScaleDown" in events and "Elsewhere" not in events
+    listed = _kubectl(emulator, "get", "events", "--field-selector",
+                      "involvedObject.kind=ElasticTrainingJob,involvedObject.name=tiny").stdout
+    assert listed.split("\n")[0].split()[:4] == ["LAST", "SEEN", "TYPE", "REASON"]
+    assert "elastictrainingjob/tiny" in listed and "Elsewhere" not in listed
+
+    with subprocess.Popen([str(tools.kubectl()), "--kubeconfig", str(emulator.kubeconfig),
+                           "get", "etj", "-w"], stdout=subprocess.PIPE, text=True) as watch:
+        try:
+            assert watch.stdout.readline().split()[0] == "NAME"
+            assert watch.stdout.readline().split()[:5] == ["tiny", "2", "2", "1", "5"]
+            _kubectl(emulator, "patch", "etj", "tiny", "--subresource=status", "--type=merge",
+                     "-p", '{"status": {"step": 6}}')
+            assert watch.stdout.readline().split()[:5] == ["tiny", "2", "2", "1", "6"]
+        finally:
+            watch.kill()
+
+    # kubectl create sends these kinds as protobuf; the emulator decodes them.
+    _kubectl(emulator, "create", "namespace", "team-a")
+    _kubectl(emulator, "create", "serviceaccount", "bob", "-n", "team-a")
+    _kubectl(emulator, "create", "secret", "generic", "s1", "--from-literal=token=abc",
+             "-n", "team-a")
+    _kubectl(emulator, "create", "configmap", "c1", "--from-literal=mode=fast", "-n", "team-a")
+    get = emulator.emulator.get
+    assert emulator.call(get, "v1/namespaces", None, "team-a")["status"]["phase"] == "Active"
+    assert emulator.call(get, "v1/serviceaccounts", "team-a", "bob") is not None
+    secret = emulator.call(get, "v1/secrets", "team-a", "s1")
+    assert secret["data"] == {"token": "YWJj"} and secret["type"] == "Opaque"
+    assert emulator.call(get, "v1/configmaps", "team-a", "c1")["data"] == {"mode": "fast"}
+    refused = _kubectl(emulator, "create", "deployment", "d", "--image=x", check=False)
+    assert refused.returncode != 0 and "not protobuf" in refused.stderr
+    assert "No resources found" in _kubectl(emulator, "get", "pods", "-A").stderr
