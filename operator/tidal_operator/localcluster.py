@@ -14,6 +14,9 @@ without binding a pod twice or losing a pod's start time.
   annotated ``tidal.dev/duration-seconds`` Succeeded once it has run that long (so a
   non-elastic job holds its GPUs for its duration and then frees them), and removes deleted
   pods at the start of their grace period (until then they hold their GPUs, as in a cluster).
+  Given a :class:`PodRuntime`, the pods that runtime takes really run (the one-machine
+  cluster runs worker pods as local processes): their phase follows the process, and a
+  deleted pod is removed once its process is gone.
 
 ``await run(url)`` runs both until cancelled; from synchronous code,
 ``EmulatorThread.submit(run(url))`` returns a future whose ``cancel()`` stops it.
@@ -27,7 +30,7 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -236,25 +239,59 @@ class Scheduler:
         await self.api.patch_status(pod, {"conditions": _with_condition(conditions, condition)})
 
 
-class Kubelet:
-    """Runs bound pods, in name only: Pending -> Running -> Succeeded after their duration."""
+class PodRuntime(Protocol):
+    """What really runs the containers of some pods; the kubelet asks it at every step, from
+    one thread, and never blocks on it."""
 
-    def __init__(self, api: ClusterApi) -> None:
+    def takes(self, pod: Obj) -> bool:
+        """Whether this runtime runs ``pod`` (else the kubelet runs it in name only)."""
+
+    def start(self, pod: Obj) -> None:
+        """Start the pod's containers (once: a second call for the same pod does nothing)."""
+
+    def exit_code(self, pod: Obj) -> int | None:
+        """None while the pod's containers run; their exit code once they have stopped."""
+
+    def stop(self, pod: Obj) -> bool:
+        """Stop the pod's containers within its grace period; True once they are gone."""
+
+    def keep_only(self, uids: set[str]) -> None:
+        """Stop the containers of pods that are no longer in the API (force-deleted)."""
+
+
+class Kubelet:
+    """Runs bound pods: in name only (Pending -> Running -> Succeeded after their duration), or
+    through ``runtime`` for the pods it takes (Running while they run, then Succeeded or
+    Failed by their exit code)."""
+
+    def __init__(self, api: ClusterApi, runtime: PodRuntime | None = None) -> None:
         self.api = api
+        self.runtime = runtime
 
     async def step(self, now: datetime.datetime | None = None) -> None:
         now = now or datetime.datetime.now(datetime.UTC)
-        for pod in await self.api.items("/api/v1/pods"):
+        pods = await self.api.items("/api/v1/pods")
+        if self.runtime is not None:
+            self.runtime.keep_only({p["metadata"]["uid"] for p in pods})
+        for pod in pods:
             if not pod["spec"].get("nodeName"):
                 continue
+            runtime = self.runtime if self.runtime is not None and self.runtime.takes(pod) else None
             if pod["metadata"].get("deletionTimestamp"):
-                await self._terminated(pod)
+                if runtime is None or runtime.stop(pod):
+                    await self._terminated(pod)
                 continue
             phase = pod.get("status", {}).get("phase")
             if phase == "Pending":
+                if runtime is not None:
+                    runtime.start(pod)
                 await self.api.patch_status(pod, self._running(pod, now))
+            elif phase == "Running" and runtime is not None:
+                code = runtime.exit_code(pod)
+                if code is not None:
+                    await self.api.patch_status(pod, self._finished(pod, now, code))
             elif phase == "Running" and self._done(pod, now):
-                await self.api.patch_status(pod, self._succeeded(pod, now))
+                await self.api.patch_status(pod, self._finished(pod, now))
 
     async def _terminated(self, pod: Obj) -> None:
         """A deleted pod's containers are gone at once: remove it (what a kubelet does once
@@ -291,30 +328,35 @@ class Kubelet:
         }
 
     @staticmethod
-    def _succeeded(pod: Obj, now: datetime.datetime) -> Obj:
+    def _finished(pod: Obj, now: datetime.datetime, exit_code: int = 0) -> Obj:
+        """Succeeded on exit code 0, else Failed (a negative code: killed by that signal)."""
         finished = now.strftime("%Y-%m-%dT%H:%M:%SZ")
         status = pod.get("status") or {}
         conditions = status.get("conditions") or []
+        reason = "PodCompleted" if exit_code == 0 else "PodFailed"
         for kind in ("ContainersReady", "Ready"):
-            condition = {"type": kind, "status": "False", "reason": "PodCompleted"}
+            condition = {"type": kind, "status": "False", "reason": reason}
             conditions = _with_condition(conditions, condition)
+        code = exit_code if exit_code >= 0 else 128 - exit_code  # as a shell reports a signal
         return {
-            "phase": "Succeeded", "conditions": conditions,
+            "phase": "Succeeded" if exit_code == 0 else "Failed", "conditions": conditions,
             "containerStatuses": [
                 {**c, "ready": False, "started": False,
-                 "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                 "state": {"terminated": {"exitCode": code,
+                                          "reason": "Completed" if exit_code == 0 else "Error",
                                           "startedAt": status.get("startTime"),
                                           "finishedAt": finished}}}
                 for c in status.get("containerStatuses") or []],
         }
 
 
-async def run(url: str, interval_s: float = 0.2, resource: str = GPU) -> None:
+async def run(url: str, interval_s: float = 0.2, resource: str = GPU,
+              runtime: PodRuntime | None = None) -> None:
     """Schedule and run pods against the API at ``url`` every ``interval_s`` seconds, until
-    cancelled. A lost connection is retried on the next step; an error answer is raised (it
-    means a bug here or in the emulator)."""
+    cancelled (``runtime``: see :class:`Kubelet`). A lost connection is retried on the next
+    step; an error answer is raised (it means a bug here or in the emulator)."""
     async with ClusterApi(url) as api:
-        scheduler, kubelet = Scheduler(api, resource), Kubelet(api)
+        scheduler, kubelet = Scheduler(api, resource), Kubelet(api, runtime)
         while True:
             try:
                 await scheduler.step()

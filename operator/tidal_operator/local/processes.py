@@ -1,0 +1,246 @@
+"""Pods as local processes: the container runtime of the one-machine cluster.
+
+:class:`AgentProcesses` is the :class:`~tidal_operator.localcluster.PodRuntime` that runs each
+worker pod (label ``tidal.dev/role=worker``) as a ``tidal agent`` process, with the pod's
+environment as the operator wrote it, and these changes, because every pod shares one host:
+
+- ``TIDAL_RENDEZVOUS_HOST`` is ``127.0.0.1`` (there is no cluster DNS for the headless
+  Service) and ``TIDAL_RENDEZVOUS_PORT`` a free port chosen once per job, so jobs do not
+  collide on the port every pod spec names;
+- the agent gets ``--kubeconfig`` (a pod would use its service account), ``--threads 1``
+  (the machine's cores are shared), ``--publish-interval`` and ``--report`` (the leader's JSON
+  report, under ``reports/<namespace>/<pod>.json``); its output goes to
+  ``logs/<namespace>/<pod>.log``.
+
+The pod spec itself stays as the operator made it. Each process leads its own process group
+(a terminal's Ctrl-C reaches only ``tidal local``, which then stops the pods in order) and is
+killed by the kernel if the thread that started it dies. Stopping a pod is a SIGTERM to its
+group, then a SIGKILL once the pod's grace period is over.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal_api import keys
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+
+# Every process the local cluster starts carries this variable (the run's id), so that a
+# test, or a person, can find any that outlived it: grep -l TIDAL_LOCAL_RUN /proc/*/environ.
+RUN_ENV = "TIDAL_LOCAL_RUN"
+FAILED_TO_START = 127  # the exit code of a pod whose process could not be started
+_PR_SET_PDEATHSIG = 1
+# Loaded here, not in the forked child: dlopen there could wait for a lock another thread held.
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform == "linux" else None
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the thread that forked it ends, so that even a
+    ``kill -9`` of ``tidal local`` leaves no process behind (Linux; elsewhere a no-op)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def spawn(args: list[str], *, env: dict[str, str], log_path: Path,
+          cwd: Path | None = None) -> subprocess.Popen:
+    """Start ``args`` in a new process group, output appended to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as out:
+        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True,
+                                preexec_fn=die_with_parent)
+
+
+def terminate(proc: subprocess.Popen, grace_s: float) -> int:
+    """SIGTERM the process group of ``proc``, SIGKILL it after ``grace_s``; the exit code."""
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        return proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc, signal.SIGKILL)
+        return proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(slots=True)
+class _Running:
+    pod: str  # namespace/name
+    proc: subprocess.Popen | None  # None: it could not be started
+    grace_s: float = 30.0
+    kill_at: float | None = None  # set once a SIGTERM went out
+
+
+class AgentProcesses:
+    """Runs worker pods as ``tidal agent`` processes (see the module's docstring)."""
+
+    def __init__(self, *, kubeconfig: Path, workdir: Path, run_id: str,
+                 publish_interval_s: float = 1.0, tidal: Path | None = None) -> None:
+        self.kubeconfig = kubeconfig
+        self.workdir = workdir
+        self.run_id = run_id
+        self.publish_interval_s = publish_interval_s
+        self.tidal = tidal or Path(sys.executable).with_name("tidal")
+        self._procs: dict[str, _Running] = {}  # by pod uid
+        self._ports: dict[tuple[str, str], int] = {}  # (namespace, job) -> rendezvous port
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def report_path(self, namespace: str, pod: str) -> Path:
+        return self.workdir / "reports" / namespace / f"{pod}.json"
+
+    def log_path(self, namespace: str, pod: str) -> Path:
+        return self.workdir / "logs" / namespace / f"{pod}.log"
+
+    # ---- PodRuntime ----------------------------------------------------------------------
+
+    def takes(self, pod: Obj) -> bool:
+        return (pod["metadata"].get("labels") or {}).get(keys.ROLE_LABEL) == "worker"
+
+    def start(self, pod: Obj) -> None:
+        meta = pod["metadata"]
+        with self._lock:
+            if self._closed or meta["uid"] in self._procs:
+                return
+            key = f"{meta['namespace']}/{meta['name']}"
+            grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
+            try:
+                proc = spawn(self._command(pod), env=self._environment(pod),
+                             log_path=self.log_path(meta["namespace"], meta["name"]))
+            except (OSError, ValueError) as err:
+                log.error("%s: cannot start: %s", key, err)
+                proc = None
+            else:
+                log.info("%s: started process %d", key, proc.pid)
+            self._procs[meta["uid"]] = _Running(key, proc, grace)
+
+    def exit_code(self, pod: Obj) -> int | None:
+        with self._lock:
+            running = self._procs.get(pod["metadata"]["uid"])
+            if running is None:
+                return FAILED_TO_START  # not started here: this runtime lost it
+            if running.proc is None:
+                return FAILED_TO_START
+            return running.proc.poll()
+
+    def stop(self, pod: Obj) -> bool:
+        with self._lock:
+            return self._stop(pod["metadata"]["uid"],
+                              float(pod["metadata"].get("deletionGracePeriodSeconds") or 0))
+
+    def keep_only(self, uids: set[str]) -> None:
+        with self._lock:
+            for uid in [u for u in self._procs if u not in uids]:
+                self._stop(uid, 0.0)
+
+    # ---- the rest -------------------------------------------------------------------------
+
+    def pids(self) -> dict[str, int]:
+        """The live processes by pod (``namespace/name``)."""
+        with self._lock:
+            return {r.pod: r.proc.pid for r in self._procs.values()
+                    if r.proc is not None and r.proc.poll() is None}
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stop every process (SIGTERM, SIGKILL after ``grace_s``) and start no more."""
+        with self._lock:
+            self._closed = True
+            running = [r.proc for r in self._procs.values() if r.proc is not None]
+            self._procs.clear()
+        for proc in running:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in running:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+
+    def _stop(self, uid: str, grace_s: float) -> bool:
+        """Begin or continue stopping one pod's process; True once it is gone (lock held)."""
+        running = self._procs.get(uid)
+        if running is None or running.proc is None or running.proc.poll() is not None:
+            self._procs.pop(uid, None)
+            return True
+        now = time.monotonic()
+        if running.kill_at is None:
+            log.info("%s: stopping process %d", running.pod, running.proc.pid)
+            _signal_group(running.proc, signal.SIGTERM)
+            running.kill_at = now + min(grace_s, running.grace_s)
+        elif now >= running.kill_at:
+            _signal_group(running.proc, signal.SIGKILL)
+            running.proc.wait()
+            self._procs.pop(uid, None)
+            return True
+        return False
+
+    def _command(self, pod: Obj) -> list[str]:
+        container = pod["spec"]["containers"][0]
+        command = [*(container.get("command") or ["tidal", "agent"]),
+                   *(container.get("args") or [])]
+        if command[0] == "tidal":  # the image's entry point: this installation's
+            command[0] = str(self.tidal)
+        meta = pod["metadata"]
+        return [*command, "--kubeconfig", str(self.kubeconfig), "--threads", "1",
+                "--publish-interval", str(self.publish_interval_s),
+                "--report", str(self.report_path(meta["namespace"], meta["name"]))]
+
+    def _environment(self, pod: Obj) -> dict[str, str]:
+        meta = pod["metadata"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+        env.update({RUN_ENV: self.run_id, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        for var in pod["spec"]["containers"][0].get("env") or []:
+            if "value" in var:
+                env[var["name"]] = str(var["value"])
+            elif (field := ((var.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")):
+                env[var["name"]] = _field(pod, field)
+            else:
+                log.warning("%s/%s: env %s: only values and fieldRefs are supported here",
+                            meta["namespace"], meta["name"], var["name"])
+        job = (meta.get("labels") or {}).get(keys.JOB_LABEL, meta["name"])
+        port = self._ports.setdefault((meta["namespace"], job), free_port())
+        env[keys.ENV_RENDEZVOUS_HOST] = "127.0.0.1"
+        env[keys.ENV_RENDEZVOUS_PORT] = str(port)
+        return env
+
+
+def _field(pod: Obj, path: str) -> str:
+    """A downward-API field of the pod (the few a worker pod may use)."""
+    values = {
+        "metadata.name": pod["metadata"]["name"],
+        "metadata.namespace": pod["metadata"]["namespace"],
+        "metadata.uid": pod["metadata"]["uid"],
+        "spec.nodeName": pod["spec"].get("nodeName", ""),
+        "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
+        "status.hostIP": "127.0.0.1",
+        "status.podIP": "127.0.0.1",
+    }
+    if path not in values:
+        raise ValueError(f"fieldRef {path} is not supported by the local cluster")
+    return values[path]
