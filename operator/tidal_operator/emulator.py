@@ -27,9 +27,16 @@ real API server catches:
   get a ``default`` ServiceAccount; a pod needs its ServiceAccount and PriorityClass (and gets
   ``spec.priority`` from it), requests default to limits, extended resources (GPUs) need
   requests equal to limits, its spec is immutable, and it is bound to a node only through the
-  ``pods/binding`` subresource; a Service gets a cluster IP.
+  ``pods/binding`` subresource; a Service gets a cluster IP;
+- what kubectl and helm need: ``meta.k8s.io`` Tables (a CRD's printer columns, the usual
+  columns of a few built-in kinds) for lists, objects and watches, an OpenAPI v3 index whose
+  PATCH operations take ``fieldValidation`` (so clients leave validation to the server), and
+  protobuf bodies for the kinds typed clients send so (Secrets, ConfigMaps, Namespaces,
+  ServiceAccounts).
 
-Not emulated: authentication and RBAC (every request is allowed), the core and events.k8s.io
+Not emulated: authentication and RBAC (every request is allowed; a kubeconfig's token shows in
+the recorded requests), OpenAPI schemas and strict field validation (unknown fields of a custom
+resource are pruned, not refused), protobuf for other kinds (415), the core and events.k8s.io
 views of one Event (they are two separate stores), field management of server-side apply,
 conversion between versions of a custom resource (objects are shared, apiVersion rewritten),
 and the controllers of a cluster (see :mod:`tidal_operator.localcluster` for a scheduler and a

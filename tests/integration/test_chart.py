@@ -122,6 +122,13 @@ def test_every_rendered_object_is_valid_kubernetes(values):
                 pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {path}: {err.message}")
 
 
+def test_the_validation_refuses_an_unknown_field():
+    deployment = one(render(), "Deployment")
+    deployment["spec"]["template"]["spec"]["serviceAcountName"] = "typo"
+    with pytest.raises(kubernetes_validate.ValidationError, match="serviceAcountName"):
+        kubernetes_validate.validate(deployment, KUBERNETES, strict=True)
+
+
 def check_monitor(monitor: dict, objs: list[dict]) -> None:
     """A ServiceMonitor must select the metrics Service and its port; a PodMonitor the worker
     pods the operator builds, on the agents' metrics port."""
@@ -241,9 +248,10 @@ def test_names_the_operator_relies_on_are_the_ones_installed():
     assert not elastic["globalDefault"] and not default["globalDefault"]
     job_namespaces = {"tidal", "team-a", "team-b"}
     pod = builders.worker_pod(tiny_job(), uid="u", index=0, generation=0)
+    account = pod["spec"]["serviceAccountName"]
     for kind in ("ServiceAccount", "Role", "RoleBinding"):
         named = {o["metadata"]["namespace"] for o in objs
-                 if o["kind"] == kind and o["metadata"]["name"] == pod["spec"]["serviceAccountName"]}
+                 if o["kind"] == kind and o["metadata"]["name"] == account}
         assert named == job_namespaces, kind
     assert pod["spec"]["priorityClassName"] in classes
 
@@ -430,7 +438,8 @@ def test_the_agent_image_runs_without_what_it_leaves_out():
     assert {"matplotlib", "aws_cdk"} <= set(hidden)
     every_module = ("import importlib, pkgutil, tidal_agent, tidal_plan\n"
                     "for package in (tidal_agent, tidal_plan):\n"
-                    "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+                    "    prefix = package.__name__ + '.'\n"
+                    "    for info in pkgutil.walk_packages(package.__path__, prefix):\n"
                     "        importlib.import_module(info.name)\n")
     done = run_hiding(hidden, every_module + console_script("tidal", "agent", "--help"))
     assert done.returncode == 0, done.stderr
@@ -539,34 +548,38 @@ def test_rbac_grants_exactly_what_the_operator_and_the_agent_use(installed, tmp_
             "generation": 0, "members": pods(), "lastSwitchSeconds": 0.5,
             "scaleTable": table("tiny", {2: 100.0, 3: 140.0, 4: 175.0})}},
             namespace=ns, patch_type=PatchType.MERGE)
-        wait_for("four worker pods", lambda: len(pods()) == 4, seen=pods)
-        target = status()["target"]
-        admin.patch(ETJ.Status, "tiny", {"status": {
-            "generation": target["generation"], "members": pods()}},
-            namespace=ns, patch_type=PatchType.MERGE)
+        # As the leader would: switch once the target is out and its joiners run.
+        wait_for("the scale-up target",
+                 lambda: (status().get("target") or {}).get("generation") == 1, seen=status)
+        wait_for("four running workers", lambda: sum(
+            p.status.phase == "Running" for p in admin.list(
+                Pod, namespace=ns, labels={keys.JOB_LABEL: "tiny"})) == 4, seen=pods)
+        admin.patch(ETJ.Status, "tiny", {"status": {"generation": 1, "members": pods()}},
+                    namespace=ns, patch_type=PatchType.MERGE)
         admin.create(Pod.from_dict({
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "batch", "namespace": ns},
             "spec": {"containers": [{"name": "main", "image": "busybox", "resources": {
                 "limits": {"nvidia.com/gpu": 2}}}]}}))
         wait_for("released pods deleted at the drain deadline", lambda: len(pods()) == 2,
                  seen=pods)
+
+        link = ControlLink("tiny", ns, kubeconfig=str(write_kubeconfig(
+            tmp_path / "worker", url, ns, worker_token)), publish_interval_s=0.1,
+            watch_timeout_s=1)
+        link.job()
+        link.start()
+        try:
+            link.publish(step=7, loss=3.5)
+            wait_for("the agent's status", lambda: status().get("step") == 7, seen=status)
+            time.sleep(0.5)  # the watch is up
+        finally:
+            link.close()
     finally:
         operator.terminate()
         operator.wait(timeout=30)
         log.close()
         scheduler.cancel()
-
-    link = ControlLink("tiny", ns, kubeconfig=str(write_kubeconfig(
-        tmp_path / "worker", url, ns, worker_token)), publish_interval_s=0.1, watch_timeout_s=1)
-    link.job()
-    link.start()
-    try:
-        link.publish(step=7, loss=3.5)
-        wait_for("the agent's status", lambda: status().get("step") == 7, seen=status)
-        time.sleep(0.5)  # the watch is up
-    finally:
-        link.close()
-    admin.close()
+        admin.close()
 
     rules = {obj["kind"]: obj["rules"] for obj in render(namespace=ns)
              if obj["kind"] in ("ClusterRole", "Role")}

@@ -709,7 +709,8 @@ async def test_a_running_pod_terminates_gracefully_through_the_kubelet(served, a
 
 # -- what kubectl and helm need: tables, OpenAPI v3, protobuf bodies ------------------------------
 
-TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json"
+TABLE = ("application/json;as=Table;v=v1;g=meta.k8s.io,"  # what kubectl get sends
+         "application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json")
 
 
 @pytest.mark.parametrize(("seconds", "printed"), [
