@@ -256,6 +256,26 @@ def test_names_the_operator_relies_on_are_the_ones_installed():
     assert pod["spec"]["priorityClassName"] in classes
 
 
+def test_the_local_cluster_creates_what_the_chart_installs_around_the_operator():
+    """``tidal local`` stands in for ``helm install``: the same CRD, PriorityClasses and
+    workers' ServiceAccount (the chart's labels aside)."""
+    from tidal_operator.local.cluster import prerequisites
+
+    def essence(obj: dict) -> dict:
+        meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace")}
+        return {**{k: v for k, v in obj.items() if k != "metadata"}, "metadata": meta}
+
+    rendered = render(namespace="default")
+    chart = [essence(o) for o in rendered if o["kind"] == "PriorityClass"]
+    chart += [essence(o) for o in rendered if o["kind"] == "ServiceAccount"
+              and o["metadata"]["name"] == builders.WORKER_SERVICE_ACCOUNT]
+    [crd] = (CHART / "crds").iterdir()
+    chart.append(yaml.safe_load(crd.read_text()))
+    local = prerequisites("default")
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted(map(essence, local), key=key) == sorted(map(essence, chart), key=key)
+
+
 # ---- RBAC: least privilege, spelled out --------------------------------------------------------
 
 
