@@ -232,7 +232,8 @@ class TemplateSpec(_Spec):
     """
 
     image: str = Field(
-        "tidal-agent:latest", description="The agent image (the Dockerfile's agent target)."
+        "ghcr.io/tidal-dev/tidal-agent:0.1.0",
+        description="The agent image (the Dockerfile's agent target, as the chart names it).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="When the kubelet pulls the image; IfNotPresent (also for "

@@ -50,7 +50,7 @@ def test_wrong_kind():
 
 def test_template_defaults_and_typed_fields():
     template = parse_job(_doc()).spec.template
-    assert (template.image, template.image_pull_policy) == ("tidal-agent:latest", "IfNotPresent")
+    assert (template.image, template.image_pull_policy) == ("ghcr.io/tidal-dev/tidal-agent:0.1.0", "IfNotPresent")
     assert template.resources.requests == {} and template.tolerations == ()
     template = parse_job(_doc(template={
         "image": "tidal-agent:0.1.0",
