@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/tidal run examples/tiny.yaml --workers 3 --steps 30 --report runs/demo.json
+	$(BIN)/tidal local demo --minutes 3 --report runs/demo.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

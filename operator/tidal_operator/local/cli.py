@@ -101,7 +101,7 @@ def up(nodes, gpus_per_node, port, kubeconfig, workdir, rate_per_hour, mean_dura
     from tidal_operator.local.cluster import ClusterConfig, ClusterError, LocalCluster
 
     _sigterm_as_interrupt()
-    _logging(workdir / "logs" / "cluster.log")
+    _logging(workdir / "cluster.log")
     arrivals = _arrivals(ArrivalConfig(rate_per_hour=30.0), rate_per_hour, mean_duration_s,
                          trace, time_scale, seed, gpus_per_node)
     config = ClusterConfig(workdir=workdir, nodes=nodes, gpus_per_node=gpus_per_node, port=port,
@@ -111,7 +111,7 @@ def up(nodes, gpus_per_node, port, kubeconfig, workdir, rate_per_hour, mean_dura
         cluster.start()
         click.echo(f"export KUBECONFIG={cluster.kubeconfig.resolve()}")
         _console.print(f"API {cluster.url}, {nodes} nodes x {gpus_per_node} GPUs, operator "
-                       f"metrics on :{cluster.metrics_port}, logs in {workdir}/logs; "
+                       f"metrics on :{cluster.metrics_port}, logs in {workdir}; "
                        "Ctrl-C stops everything")
         sys.stdout.flush()
         show = _console.is_terminal if live is None else live
@@ -169,7 +169,7 @@ def demo(minutes, steps, job_file, report, plot, burst_after_s, nodes, gpus_per_
     from tidal_operator.local.demo import DemoConfig, DemoError, run_demo
 
     _sigterm_as_interrupt()
-    _logging(workdir / "logs" / "cluster.log")
+    _logging(workdir / "cluster.log")
     defaults = DemoConfig().arrivals
     config = DemoConfig(
         minutes=minutes, job_file=job_file, steps=steps, report=report, plot=plot,

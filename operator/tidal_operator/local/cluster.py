@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -122,6 +123,8 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         c = self.config
+        for stale in ("logs", "reports"):  # an earlier run's: its leader report would mislead
+            shutil.rmtree(self.workdir / stale, ignore_errors=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.started_at = time.time()
         try:

@@ -111,14 +111,15 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     with LocalCluster(cluster_config) as cluster:
         console.print(f"[bold]tidal local demo[/]: {config.nodes} nodes x {config.gpus_per_node} "
                       f"GPUs, job {name} ({steps} steps), up to {deadline_s / 60:.1f} minutes")
-        console.print(f"  export KUBECONFIG={cluster.kubeconfig.resolve()}   # then: kubectl get "
-                      f"etj,pods; kubectl describe etj {name}")
+        console.print(f"  export KUBECONFIG={cluster.kubeconfig.resolve()}", soft_wrap=True)
+        console.print(f"  # then, in another terminal: kubectl get etj,pods; kubectl describe "
+                      f"etj {name}", soft_wrap=True)
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig.resolve())}
         applied = subprocess.run([str(kubectl), "apply", "-f", str(job_path)], env=env,
                                  capture_output=True, text=True, timeout=60)
         if applied.returncode != 0:
             raise DemoError(f"kubectl apply -f {job_path}: {applied.stderr.strip()}")
-        console.print(f"  kubectl apply -f {job_path}: {applied.stdout.strip()}")
+        console.print(f"  kubectl apply -f {job_path}: {applied.stdout.strip()}", soft_wrap=True)
         leader_report = cluster.runtime.report_path(namespace, f"{name}-worker-0")
         timeline, last = _follow(cluster, name, leader_report, deadline_s, config, console)
         arrivals = [asdict(a) for a in cluster.generator.arrivals]
@@ -190,8 +191,8 @@ def _complete(report: Path) -> bool:
 
 def _line(view: ClusterView, job: str) -> str:
     mine = next((j for j in view.jobs if j.name == job), None)
-    if mine is None:
-        return f"{view.t:6.0f}s GPUs {view.gpus}, idle {view.idle_gpus}: no job yet"
+    if mine is None or not mine.workers:
+        return f"{view.t:6.0f}s GPUs {view.gpus}, idle {view.idle_gpus}: {job} is starting"
     loss = f"{mine.loss:.4f}" if mine.loss is not None else "-"
     return (f"{view.t:6.0f}s GPUs {view.gpus}, idle {view.idle_gpus}, pending pods "
             f"{view.pending_pods}; {job}: {mine.phase}, {mine.workers} workers "
@@ -274,9 +275,9 @@ def summary_table(report: dict[str, Any]) -> Table:
         ("steps / seconds", f"{report['steps']} in {report['seconds']:.0f} s"),
         ("scale-ups / scale-downs", f"{report['scale_ups']} / {report['scale_downs']}"),
         ("workers", f"{report['workers']['min']} .. {report['workers']['max']}"),
-        ("switches", ", ".join(
-            f"step {c['at_step']}: {c['workers'][0]}->{c['workers'][1]} "
-            f"({c['pause_s'] * 1e3:.0f} ms)" for c in report["reconfigurations"]) or "-"),
+        *((f"switch at step {c['at_step']}", f"{c['workers'][0]} -> {c['workers'][1]} workers, "
+           f"pause {c['pause_s'] * 1e3:.0f} ms, {c['bytes_moved'] / 2**20:.1f} MiB moved")
+          for c in report["reconfigurations"]),
         ("non-elastic jobs", str(len(report["arrivals"]))),
         ("bitwise equal to a static run", f"losses {report['bitwise_equal']}, parameters "
                                           f"{report.get('params_equal')}"),

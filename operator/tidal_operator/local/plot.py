@@ -20,7 +20,7 @@ def write_plot(path: Path, timeline: Sequence[dict[str, Any]], job: str,
 
     t = [s["t"] for s in timeline]
     runs = [s["jobs"].get(job) or {} for s in timeline]
-    fig, (top, bottom) = pyplot.subplots(2, 1, figsize=(10, 6.5), sharex=True,
+    fig, (top, bottom) = pyplot.subplots(2, 1, figsize=(11, 6.5), sharex=True,
                                          height_ratios=(3, 2), layout="constrained")
     top.step(t, [s["gpus"] for s in timeline], where="post", color="black", label="GPUs")
     top.step(t, [s["idle_gpus"] for s in timeline], where="post", color="tab:gray",
@@ -44,7 +44,7 @@ def write_plot(path: Path, timeline: Sequence[dict[str, Any]], job: str,
             axes.axvline(decision["t"], color=_COLORS.get(reason, "black"), alpha=0.5,
                          linestyle=":", label=reason if reason not in seen else None)
             seen.add(reason)
-        axes.legend(loc="upper right", fontsize="small")
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
         axes.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

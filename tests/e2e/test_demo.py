@@ -1,0 +1,202 @@
+"""The whole system on one machine (issue 7, items 5-7): ``tidal local demo`` and ``tidal local
+up`` as a person runs them, checked from outside through the API, the real kubectl and /proc.
+
+Nothing is mocked: the API emulator, the scheduler and kubelet, ``tidal-operator`` and one
+``tidal agent`` process per worker pod. The demo's job is short and its burst comes early,
+so that a scale-up and a scale-down both happen within a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tidal_operator.local.binaries import ensure_kubectl
+from tidal_operator.local.processes import RUN_ENV
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TIDAL = Path(sys.executable).with_name("tidal")
+JOB = "demo"
+
+
+def survivors(run_id: str) -> list[str]:
+    """Processes whose environment carries this run's marker: none may outlive the run."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"{RUN_ENV}={run_id}".encode() in environ.read_bytes().split(b"\0"):
+                cmdline = (environ.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+                found.append(f"{environ.parent.name}: {cmdline.decode(errors='replace')}")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def _get(url: str, path: str) -> dict:
+    with urllib.request.urlopen(url + path, timeout=10) as rsp:
+        return json.load(rsp)
+
+
+def server_of(kubeconfig: Path) -> str:
+    import yaml
+
+    return yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+
+
+class Watcher:
+    """The job and its worker pods, read from the API every 0.3 s in a thread, beside the
+    demo's own view: what the status says next to what the pods are."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig, self.samples, self.errors = kubeconfig, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and not self.kubeconfig.is_file():
+            time.sleep(0.1)
+        url = server_of(self.kubeconfig) if self.kubeconfig.is_file() else None
+        while url and not self._stop.is_set():
+            try:
+                job = _get(url, f"/apis/tidal.dev/v1alpha1/namespaces/default/"
+                                f"elastictrainingjobs/{JOB}")
+                pods = _get(url, f"/api/v1/namespaces/default/pods?labelSelector="
+                                 f"tidal.dev/job%3D{JOB}")["items"]
+                self.samples.append((job.get("status") or {}, {
+                    p["metadata"]["name"]: (p.get("status") or {}).get("phase") for p in pods}))
+            except OSError as err:  # not there yet, or the cluster has stopped
+                self.errors.append(err)
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.mark.timeout(420)
+def test_demo_grows_and_shrinks_through_the_operator_bitwise_as_a_static_run(tmp_path):
+    run_id = uuid.uuid4().hex
+    kubeconfig, report, plot = tmp_path / "kubeconfig", tmp_path / "demo.json", tmp_path / "d.png"
+    kubectl = ensure_kubectl()
+    watcher = Watcher(kubeconfig)
+    demo = subprocess.Popen(
+        [str(TIDAL), "local", "demo", "--minutes", "2", "--steps", "300", "--nodes", "1",
+         "--gpus-per-node", "4", "--arrival-rate", "0", "--burst-after", "5",
+         "--workdir", str(tmp_path / "local"), "--kubeconfig", str(kubeconfig),
+         "--report", str(report), "--plot", str(plot), "--no-live"],
+        cwd=ROOT, env={**os.environ, RUN_ENV: run_id}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    described = got = ""
+    try:
+        # While it runs: kubectl shows the printer columns, and every decision as an Event.
+        deadline = time.monotonic() + 240
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+        while time.monotonic() < deadline and demo.poll() is None:
+            if kubeconfig.is_file():
+                described = subprocess.run([str(kubectl), "describe", "etj", JOB], env=env,
+                                           capture_output=True, text=True, timeout=30).stdout
+                if "ScaleDown" in described:
+                    got = subprocess.run([str(kubectl), "get", "etj", JOB], env=env,
+                                         capture_output=True, text=True, timeout=30).stdout
+                    break
+            time.sleep(2)
+        output, _ = demo.communicate(timeout=300)
+    finally:
+        watcher.stop()
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert demo.returncode == 0, output[-4000:]
+    assert survivors(run_id) == [], "processes outlived the demo"
+
+    header = got.splitlines()[0].split()
+    assert header == ["NAME", "WORKERS", "PP", "DP", "STEP", "PHASE", "AGE"], got
+    for reason in ("Created", "ScaleUp", "ScaleDown"):
+        assert re.search(rf"Normal +{reason} +\S+ +tidal-operator ", described), described[-3000:]
+
+    result = json.loads(report.read_text())
+    assert result["finished"] and result["steps"] == 300
+    assert result["scale_ups"] >= 1 and result["scale_downs"] >= 1
+    assert result["decisions"][0]["reason"] == "ScaleUp"  # the burst comes after it
+    assert result["bitwise_equal"] is True and result["params_equal"] is True
+    assert result["static_steps"] == 300
+    assert result["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any(a["burst"] for a in result["arrivals"])
+    grown = [c for c in result["reconfigurations"] if c["workers"][1] > c["workers"][0]]
+    shrunk = [c for c in result["reconfigurations"] if c["workers"][1] < c["workers"][0]]
+    assert grown and shrunk, result["reconfigurations"]  # the agent applied both
+
+    # The status agrees with the agent's applied layout and with the pods, generation by
+    # generation: dp x pp is the member count in every sample; once a generation is applied
+    # and nothing else is asked, its members are exactly the job's Running worker pods (a
+    # released pod may run for a moment after the switch, so some sample, not every one).
+    applied = {}
+    for status, pods in watcher.samples:
+        if "members" not in status:
+            continue
+        members, layout = status["members"], status["layout"]
+        assert layout["dp"] * layout["pp"] == len(members), status
+        generation = status["generation"]
+        settled = (status["target"]["generation"] == generation
+                   and sorted(p for p, phase in pods.items() if phase == "Running")
+                   == sorted(members))
+        applied[generation] = applied.get(generation, False) or settled
+    assert len(applied) >= 3, applied  # generation 0, a scale-up and a scale-down at least
+    unsettled = [g for g, ok in applied.items() if not ok]
+    assert unsettled in ([], [max(applied)]), applied  # the last may end with the job
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_local_up_stops_everything_it_started(tmp_path, sig):
+    run_id = uuid.uuid4().hex
+    kubeconfig = tmp_path / "kubeconfig"
+    up = subprocess.Popen(
+        [str(TIDAL), "local", "up", "--nodes", "2", "--gpus-per-node", "4", "--arrival-rate",
+         "720", "--duration", "60", "--workdir", str(tmp_path / "local"), "--kubeconfig",
+         str(kubeconfig), "--no-live"],
+        cwd=ROOT, env={**os.environ, RUN_ENV: run_id}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert up.stdout.readline().strip() == f"export KUBECONFIG={kubeconfig.resolve()}"
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+        applied = subprocess.run([str(ensure_kubectl()), "apply", "-f", "examples/demo.yaml"],
+                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert applied.returncode == 0, applied.stderr
+        url = server_of(kubeconfig)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # both agents run
+            pods = _get(url, "/api/v1/namespaces/default/pods")["items"]
+            running = {p["metadata"]["name"] for p in pods
+                       if (p.get("status") or {}).get("phase") == "Running"}
+            if {f"{JOB}-worker-0", f"{JOB}-worker-1"} <= running:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"pods did not come up: {running}")
+        processes = survivors(run_id)
+        agents = [p for p in processes if " agent " in p]
+        assert len(agents) == 2 and any("tidal-operator" in p for p in processes), processes
+        up.send_signal(sig)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 0, err[-3000:]
+    assert "stopping: every pod's process, the operator, the API" in err
+    assert survivors(run_id) == []
