@@ -200,7 +200,8 @@ def render(view: ClusterView, *, title: str = "tidal local", recent: int = 6) ->
             str(job.target_workers) if job.target_workers is not None else "-", layout,
             f"{job.step or 0}/{job.steps}", f"{job.loss:.4f}" if job.loss is not None else "-",
             f"{job.tokens_per_second:,.0f}" if job.tokens_per_second else "-", pods)
-    lines = [head, nodes, jobs]
+    lines = [head, nodes, jobs if view.jobs else Text(
+        "no ElasticTrainingJob yet: kubectl apply -f examples/demo.yaml", "grey50")]
     decisions = [e for e in view.events if e.reason in DECISIONS]
     for event in decisions[-recent:]:
         style = "green" if event.reason == "ScaleUp" else "red"
