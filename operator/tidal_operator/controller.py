@@ -36,6 +36,9 @@ from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
 log = logging.getLogger(__name__)
 
 FINISHED = ("Succeeded", "Failed")
+# The agent takes no target in a job's last step; the operator asks for none a little earlier,
+# so that a scale-up it makes can still be applied (joiners start, register, then switch).
+NO_SWITCH_STEPS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +214,8 @@ class Controller:
         applied = bool(status.members) and target is not None and status.generation == target.generation
         written = self._written.get(state.key)
         busy = (not applied or (written is not None and (target is None or target.generation < written))
-                or status.phase in ("Succeeded", "Failed"))
+                or status.phase in ("Succeeded", "Failed")
+                or status.step >= spec.training.steps - NO_SWITCH_STEPS)
         return ElasticJob(
             key=state.key,
             min_workers=spec.workers.min,
@@ -345,8 +349,8 @@ class Controller:
         job, status = state.job, state.status
         target = status.target
         members = [pods.get(m) for m in status.members]
-        if status.step >= job.spec.training.steps and applied:
-            phase = "Succeeded"
+        if status.step >= job.spec.training.steps:
+            phase = "Succeeded"  # even with a target left unapplied: the agent takes none at the end
         elif any(p is not None and p.phase == "Failed" for p in members):
             phase = "Failed"
         elif not applied:

@@ -308,3 +308,18 @@ def test_api_errors_are_retried_and_the_operator_keeps_running(cluster):
     assert wait_for("the pods, once the API answers",
                     lambda: pods_of(api, "flaky") == ["flaky-worker-0", "flaky-worker-1"])
     assert "retrying next round" in operator.log.read_text()
+
+
+def test_a_job_in_its_last_steps_is_not_scaled_and_ends_succeeded(cluster):
+    api, _, _ = cluster
+    leader = Leader(api, "late")
+    api.create(ETJ(job_manifest("late")))
+    wait_for("two worker pods", lambda: len(pods_of(api, "late")) == 2)
+    leader.apply()
+    steps = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())["spec"]["training"]["steps"]
+    leader.publish(step=steps - 1, scaleTable=table("late", {2: 100.0, 3: 140.0, 4: 175.0}))
+    time.sleep(2.0)  # rounds with 2 GPUs idle and a table that pays: no target in the last step
+    assert leader.status()["target"]["generation"] == 0
+    leader.publish(step=steps)
+    wait_for("phase Succeeded", lambda: leader.status().get("phase") == "Succeeded",
+             seen=leader.status)
