@@ -19,6 +19,8 @@ ENV_POD = "TIDAL_POD"
 ENV_RENDEZVOUS_HOST = "TIDAL_RENDEZVOUS_HOST"
 ENV_RENDEZVOUS_PORT = "TIDAL_RENDEZVOUS_PORT"
 RENDEZVOUS_PORT = 29400
+ENV_METRICS_PORT = "TIDAL_METRICS_PORT"  # the agent serves Prometheus metrics there
+METRICS_PORT = 9400
 
 # PriorityClasses the chart installs: elastic workers yield to everything else.
 ELASTIC_PRIORITY_CLASS = "tidal-elastic"

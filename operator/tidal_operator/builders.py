@@ -63,6 +63,7 @@ def worker_pod(
         {"name": keys.ENV_POD, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": keys.ENV_RENDEZVOUS_HOST, "value": rendezvous_host(name, namespace)},
         {"name": keys.ENV_RENDEZVOUS_PORT, "value": str(keys.RENDEZVOUS_PORT)},
+        {"name": keys.ENV_METRICS_PORT, "value": str(keys.METRICS_PORT)},
         *template.env,
     ]
     container: dict[str, Any] = {
@@ -71,7 +72,8 @@ def worker_pod(
         "imagePullPolicy": template.image_pull_policy,
         "command": ["tidal", "agent"],
         "env": env,
-        "ports": [{"name": "rendezvous", "containerPort": keys.RENDEZVOUS_PORT}],
+        "ports": [{"name": "rendezvous", "containerPort": keys.RENDEZVOUS_PORT},
+                  {"name": "metrics", "containerPort": keys.METRICS_PORT}],
         "resources": resources,
     }
     if template.volume_mounts:

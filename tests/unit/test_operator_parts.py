@@ -36,6 +36,9 @@ def test_worker_pod_is_owned_labelled_and_finds_its_leader(job):
     assert env[keys.ENV_RENDEZVOUS_HOST] == "tiny-worker-0.tiny.team-a.svc"
     assert env[keys.ENV_RENDEZVOUS_PORT] == str(keys.RENDEZVOUS_PORT)
     assert env[keys.ENV_JOB] == "tiny" and env[keys.ENV_NAMESPACE] == "team-a"
+    assert env[keys.ENV_METRICS_PORT] == str(keys.METRICS_PORT)
+    assert {p["name"]: p["containerPort"] for p in spec["containers"][0]["ports"]} == {
+        "rendezvous": keys.RENDEZVOUS_PORT, "metrics": keys.METRICS_PORT}
     assert pod_gpus(spec, "nvidia.com/gpu") == job.spec.gpus_per_worker
 
 

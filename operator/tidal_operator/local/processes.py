@@ -7,6 +7,7 @@ environment as the operator wrote it, and these changes, because every pod share
 - ``TIDAL_RENDEZVOUS_HOST`` is ``127.0.0.1`` (there is no cluster DNS for the headless
   Service) and ``TIDAL_RENDEZVOUS_PORT`` a free port chosen once per job, so jobs do not
   collide on the port every pod spec names;
+- ``TIDAL_METRICS_PORT``, where the pod sets it, is a free port of the pod's own;
 - the agent gets ``--kubeconfig`` (a pod would use its service account), ``--threads 1``
   (the machine's cores are shared), ``--publish-interval`` and ``--report`` (the leader's JSON
   report, under ``reports/<namespace>/<pod>.json``); its output goes to
@@ -227,6 +228,8 @@ class AgentProcesses:
         port = self._ports.setdefault((meta["namespace"], job), free_port())
         env[keys.ENV_RENDEZVOUS_HOST] = "127.0.0.1"
         env[keys.ENV_RENDEZVOUS_PORT] = str(port)
+        if keys.ENV_METRICS_PORT in env:  # every pod names the same port; here they share a host
+            env[keys.ENV_METRICS_PORT] = str(free_port())
         return env
 
 
