@@ -8,21 +8,31 @@ dropped). Candidates are measured in ``--rounds`` rounds, in reverse order on od
 that slow drift of the machine's load falls on all of them alike; a candidate's measured time
 is the median over all its timed steps.
 
+The predictor models a host whose cores are the job's alone; other processes on a shared host
+slow the runs down (and the profile's run too) by as much as twice. So before the profile and
+before every candidate run the benchmark waits, up to ``--quiet-wait`` seconds, for the other
+processes to leave the cores idle, and reports for each run how many cores they kept busy
+meanwhile (``outside_cores``, from /proc/stat less this benchmark's own processes).
+
 Prints a per-layout table on stderr and JSON on stdout: per candidate the predicted and
 measured seconds and the error |pred - meas| / meas; ``median_abs_error``, ``max_abs_error``
 and ``choice_gap``: per worker count, measured(lowest predicted) / measured(lowest measured)
 - 1, the worst over worker counts.
 
-    python bench/predictor.py [--job examples/tiny.yaml] [--steps 8] [--rounds 3] [--json FILE]
+    python bench/predictor.py [--job examples/tiny.yaml] [--steps 8] [--rounds 3]
+                              [--quiet-wait 20] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +101,44 @@ def measure(job: ElasticTrainingJob, layout: Layout, steps: int, warmup: int) ->
     return [s["seconds"] for s in report["steps"][warmup:]]
 
 
+def _busy_cpu_s() -> float | None:
+    """CPU seconds the host's cores have been busy since boot; None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(x) for x in stat.readline().split()[1:]]
+    except OSError:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its children that have ended (the workers)."""
+    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+
+def wait_until_quiet(limit_s: float, probe_s: float = 1.0, idle_cores: float = 0.1) -> None:
+    """Wait, up to ``limit_s``, for a ``probe_s`` in which others keep < ``idle_cores`` busy."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        busy, own = _busy_cpu_s(), _own_cpu_s()
+        if busy is None:
+            return
+        time.sleep(probe_s)
+        if (_busy_cpu_s() - busy) - (_own_cpu_s() - own) < idle_cores * probe_s:
+            return
+
+
+def outside_load(run):
+    """``run()``'s result and the mean number of cores other processes kept busy meanwhile."""
+    busy, own, started = _busy_cpu_s(), _own_cpu_s(), time.monotonic()
+    result = run()
+    if busy is None:
+        return result, None
+    others = (_busy_cpu_s() - busy) - (_own_cpu_s() - own)
+    return result, max(0.0, others) / (time.monotonic() - started)
+
+
 def choice_gap(rows: list[dict]) -> float:
     gaps = []
     for workers in sorted({row["workers"] for row in rows}):
@@ -107,12 +155,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per candidate run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every candidate")
+    parser.add_argument("--quiet-wait", type=float, default=20.0,
+                        help="seconds to wait before each run for other processes to go idle")
     parser.add_argument("--tiny", action="store_true", help="three layouts, few steps")
     parser.add_argument("--json", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.tiny:
-        args.steps, args.rounds = min(args.steps, 3), 1
+        args.steps, args.rounds, args.quiet_wait = min(args.steps, 3), 1, 0.0
     doc = yaml.safe_load(Path(args.job).read_text())
     base_job = parse_job(doc)
     runs = candidates(doc, TINY if args.tiny else CANDIDATES)
@@ -121,21 +171,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         profile_path = Path(tmp) / "profile.json"
         print(f"profiling {base.describe()}...", file=sys.stderr, flush=True)
-        run_local(base_job, base, steps=5, profile_out=profile_path)
+        wait_until_quiet(args.quiet_wait)
+        _, profile_outside = outside_load(
+            lambda: run_local(base_job, base, steps=5, profile_out=profile_path))
         profile_doc = json.loads(profile_path.read_text())
     profile = Profile.from_dict(profile_doc)
     seq_len = base_job.spec.model.seq_len
 
     times: list[list[list[float]]] = [[] for _ in runs]  # per candidate, per round
+    outside: list[list[float | None]] = [[] for _ in runs]
     for round_ in range(args.rounds):
         order = list(range(len(runs)))[:: 1 if round_ % 2 == 0 else -1]
         for i in order:
             layout, job = runs[i]
             print(f"round {round_ + 1}: {layout.describe()}", file=sys.stderr, flush=True)
-            times[i].append(measure(job, layout, args.steps, args.warmup))
+            wait_until_quiet(args.quiet_wait)
+            measured, load = outside_load(
+                lambda job=job, layout=layout: measure(job, layout, args.steps, args.warmup))
+            times[i].append(measured)
+            outside[i].append(load)
 
     rows = []
-    for (layout, _), measured in zip(runs, times, strict=True):
+    for (layout, _), measured, loads in zip(runs, times, outside, strict=True):
         predicted = predict_profiled(profile, layout, seq_len).step_seconds
         meas = statistics.median(t for run in measured for t in run)
         rows.append({
@@ -144,12 +201,15 @@ def main() -> None:
             "predicted_s": predicted,
             "measured_s": meas,
             "measured_rounds_s": [statistics.median(run) for run in measured],
+            "outside_cores": loads,
             "error": abs(predicted - meas) / meas,
         })
-    print(f"{'layout':36s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}", file=sys.stderr)
+    print(f"{'layout':36s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}  outside cores",
+          file=sys.stderr)
     for row in rows:
+        loads = " ".join("-" if x is None else f"{x:.2f}" for x in row["outside_cores"])
         print(f"{row['layout']:36s} {row['predicted_s'] * 1e3:8.1f} "
-              f"{row['measured_s'] * 1e3:8.1f} {row['error']:7.1%}", file=sys.stderr)
+              f"{row['measured_s'] * 1e3:8.1f} {row['error']:7.1%}  {loads}", file=sys.stderr)
     errors = [row["error"] for row in rows]
     report = {
         "benchmark": "predictor",
@@ -160,7 +220,10 @@ def main() -> None:
         "rounds": args.rounds,
         "profile": {
             "message_latency_s": profile.p2p_seconds,
+            "rendezvous_s": profile.rendezvous_s,
+            "message_work_s": profile.message_work_s,
             "in_run": profile.calibration.in_run if profile.calibration else None,
+            "outside_cores": profile_outside,
         },
         "layouts": rows,
         "median_abs_error": statistics.median(errors),

@@ -27,7 +27,10 @@ comes from two more measurements:
   fixed and per-sample parts. Copies: the run's parameters, gradients and optimizer state are
   never touched, so the run keeps its bits.
 - the plain profiled steps (hooks off): every action's wall time as the runtime runs it, the
-  time its receives waited, and the step's pipeline and post-pipeline seconds.
+  time its receives waited, and the step's pipeline and post-pipeline seconds;
+- ``time_messages``: what a message between pipeline neighbours costs on the run's transport,
+  beyond posting it: its latency to a receiver already waiting, its delay to one that posts
+  after the sender (gloo's rendezvous), and the CPU seconds each end burns in its process.
 """
 
 from __future__ import annotations
@@ -251,7 +254,15 @@ def _measured(parts: list[dict], layout) -> dict:
     for part in parts:
         for kind, seconds in part.get("actions_s", {}).items():
             actions[kind].append(seconds)
+    messages = {}
+    for key, name in (("latency_s", "message_latency_s"), ("rendezvous_s", "rendezvous_s"),
+                      ("cpu_s", "message_work_s")):
+        values = [c["messages"][key] for part in parts for c in part.get("calibration", [])[:1]
+                  if c.get("messages", {}).get(key) is not None]
+        if values:
+            messages[name] = statistics.fmean(values)
     return {
+        **messages,
         "calibration": {
             "sizes": sizes,
             "world_size": layout.world_size,
@@ -363,13 +374,16 @@ def _time_group(group: list[Unit], m: int, tokens, opt) -> dict[str, float]:
 
 
 def calibrate_trainer(trainer: Trainer, repeats: int = 5) -> list[dict]:
-    """``calibrate_stage`` for every stage of the trainer's rank, all ranks at once."""
+    """``calibrate_stage`` for every stage of the trainer's rank, all ranks at once.
+
+    Each stage's entry also carries what ``time_messages`` measured on the rank.
+    """
     from tidal_agent.data import BatchSource
     from tidal_agent.optim import build_adamw
 
     corpus = trainer.runtime.batches.corpus
     trainer.world.barrier()  # every rank calibrates at the same time, sharing cores as in the run
-    return [
+    stages = [
         calibrate_stage(
             module.ordered_units, trainer.layout.micro_batch_size,
             lambda m: BatchSource(corpus, m).micro_batch(0, 0),
@@ -378,6 +392,88 @@ def calibrate_trainer(trainer: Trainer, repeats: int = 5) -> list[dict]:
         )
         for module in trainer.stages.values()
     ]
+    messages = time_messages(trainer)
+    return [{**stage, "messages": messages} for stage in stages]
+
+
+_MESSAGE_TAG = 5_000_000  # above the step's tags and the ping-pong's
+
+
+def time_messages(trainer: Trainer, repeats: int = 20, busy_s: float = 0.002) -> dict:
+    """What an activation-sized message costs between pipeline neighbours, both orders.
+
+    Pairs (r, r + 1) of each replica's pipeline take turns, like ``profile_p2p``, and time
+    what a pipeline does: the sender computes, posts the SEND and computes on.
+
+    - ``latency_s``: the RECV posted first, the receiver asleep in it: the seconds from the
+      SEND's posting to the data (the receiver's wait, less the sender's ``busy_s`` of
+      compute before it and a go-ahead message's way, half a ping-pong);
+    - ``rendezvous_s``: the RECV posted after the SEND, as when the receiver lags behind
+      (gloo then sends only once the receiver's notice is answered): the seconds from the
+      receiver's posting, ``busy_s`` after the sender's, to the data;
+    - ``cpu_s``: the process CPU seconds (every thread: the transport's too) one end of a
+      message costs, from a ping-pong, on average over both ends.
+
+    The delays are a mix of quick answers and waits for a core, and a pipeline adds them up:
+    each is the mean of ``repeats`` tries, less the largest and smallest tenth (other load on
+    the host). Every rank calls it; the values are None on ranks that measured none of them.
+    """
+    buf = torch.zeros(trainer.runtime.activation_shape, device=trainer.device)
+    go = torch.zeros(1, device=trainer.device)
+    pingpong, cpu, waited, rendezvous = [], [], [], []
+    layout, me, world = trainer.layout, trainer.pp_rank, trainer.world
+    for first in range(layout.pp - 1):
+        if me not in (first, first + 1):
+            continue
+        sender = me == first
+        peer = trainer.runtime.group_ranks[first + 1 if sender else first]
+        tags = iter(range(_MESSAGE_TAG + 1000 * first, _MESSAGE_TAG + 1000 * (first + 1)))
+        for i in range(repeats + 1):  # the first exchange sets the pair up: not counted
+            started, cpu_started = time.perf_counter(), time.process_time()
+            out, back = next(tags), next(tags)
+            if sender:
+                world.send(buf, peer, out).wait()
+                world.recv(buf, peer, back).wait()
+            else:
+                world.recv(buf, peer, out).wait()
+                world.send(buf, peer, back).wait()
+            if i:
+                pingpong.append((time.perf_counter() - started) / 2)
+                cpu.append((time.process_time() - cpu_started) / 2)
+        for late in (False, True):
+            for _ in range(repeats):
+                ahead, data = next(tags), next(tags)
+                if sender:
+                    world.recv(go, peer, ahead).wait()
+                    _compute(busy_s)
+                    work = world.send(buf, peer, data)
+                    _compute(2 * busy_s)
+                    work.wait()
+                    continue
+                world.send(go, peer, ahead).wait()
+                if late:
+                    _compute(2 * busy_s)
+                started = time.perf_counter()
+                world.recv(buf, peer, data).wait()
+                (rendezvous if late else waited).append(time.perf_counter() - started)
+    world.barrier()
+
+    def mean(values: list[float]) -> float | None:
+        cut = len(values) // 10
+        return statistics.fmean(sorted(values)[cut:len(values) - cut]) if values else None
+
+    latency = None
+    if waited:
+        latency = max(mean(pingpong), mean(waited) - busy_s - mean(pingpong))
+    return {"latency_s": latency, "cpu_s": mean(cpu), "rendezvous_s": mean(rendezvous)}
+
+
+def _compute(seconds: float) -> None:
+    """Keep this rank's core busy with small matmuls, as a stage's compute would."""
+    x = torch.full((64, 64), 1.0 / 64)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        x = torch.tanh(x @ x)
 
 
 def time_collectives(trainer: Trainer, repeats: int = 5) -> float:

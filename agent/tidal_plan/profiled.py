@@ -12,23 +12,32 @@ any other layout of the same model on the same machine. What it holds and how it
 - a fixed overhead per action kind (one autograd-engine call per backward, whatever its units),
   measured as the difference between a stage's units timed alone and together;
 - what the run's own actions took in its plain profiled steps: the ratio of the run's F/B/I/W
-  seconds to the calibrated ones (``in_run``: the runtime's bookkeeping, caches, the cores the
-  ranks share), and the seconds of posting a SEND and a RECV;
-- the one-way P2P time of an activation, and the step's two all-reduces (gradient norms and
-  step loss), timed in the profiled world.
+  seconds to the calibrated ones (``in_run``: the runtime's bookkeeping, caches), and the
+  seconds of posting a SEND and a RECV;
+- what a message between pipeline neighbours costs, timed in the profiled world: its latency
+  when the receiver already waits (half a ping-pong), its delay when the RECV is posted after
+  the SEND (``rendezvous_s``), and the CPU seconds each end costs its process, the transport's
+  threads included (``message_work_s``);
+- the step's two all-reduces (gradient norms and step loss), timed in the profiled world.
 
 A stage action costs its kind's overhead plus its units' costs, times ``in_run``; posting
-sends and receives is added to the compute action they follow or precede (the simulator gives
-communication no rank time of its own). The lowered schedule runs through the dry-run
-simulator; the step adds the slowest rank's post-pipeline work and the two all-reduces, which
-grow with the ranks taking part (``(W - 1) / (W_profiled - 1)``, the steps of a ring).
+sends and receives is added to the compute action they follow or precede. The lowered schedule
+runs through the dry-run simulator on a ``Machine`` with the host's cores (``cores / threads``
+ranks compute at full speed at once; more share them), the rendezvous delay and the message
+work, which competes for the cores while the transport handles the message; the step adds the
+slowest rank's post-pipeline work and the two all-reduces, which grow with the ranks taking
+part (``(W - 1) / (W_profiled - 1)``, the steps of a ring).
 
-Cores: ranks that are computing at the same time share the machine's cores. With more busy
-ranks than cores (``cores / threads``) each runs at ``cores / busy`` of its speed (processor
-sharing, no other load assumed). The simulator knows no cores, so each rank gets a slowdown,
-the mean of ``max(1, busy / cores)`` over its own compute in the simulated timeline, and the
-step is simulated again until the slowdowns settle. The calibration itself ran on every rank
-of the profiled world at once; its costs are divided by that world's oversubscription.
+Why those message costs: gloo sends a message only once the receiver has posted its RECV. A
+receiver that lags behind its sender (GPipe's forwards, any rank slower than the one before
+it) posts after the SEND, and the data then waits for the sender's side to answer, about a
+millisecond and a half on a small shared host against a tenth for a receiver that waits. The
+transport's threads burn a few hundred microseconds of CPU per message, nothing where cores
+are idle but a real share of two cores under four ranks. The calibration ran on every rank of
+the profiled world at once; its costs are divided by that world's oversubscription.
+
+Not modelled: other load on the host (the profile should be taken, and the layouts run, on a
+quiet one) and the scheduler's time slices, which the processor sharing only averages.
 
 Profiles written before the calibration existed (no ``calibration`` key) still predict, the
 old way: unit costs scaled linearly by micro-batch size and by ``ranks x threads / cores``.
@@ -36,7 +45,7 @@ old way: unit costs scaled linearly by micro-batch size and by ``ranks x threads
 
 from __future__ import annotations
 
-import bisect
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +55,7 @@ from typing import Any
 from tidal_plan.costmodel import Prediction
 from tidal_plan.ir import Action, Kind
 from tidal_plan.layout import Layout
-from tidal_plan.simulate import Costs, SimResult, plan_step, simulate
+from tidal_plan.simulate import Costs, Machine, SimResult, plan_step, simulate
 
 ACTION_KINDS = ("forward", "backward", "input_grad", "weight_grad")
 _KIND_KEYS = {"forward": "F", "backward": "B", "input_grad": "I", "weight_grad": "W"}
@@ -110,6 +119,8 @@ class Profile:
     cores: int
     threads: int
     calibration: Calibration | None = None
+    rendezvous_s: float = 0.0  # a message's delay when its RECV is posted after its SEND
+    message_work_s: float = 0.0  # CPU seconds one end of a message costs its process
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -123,20 +134,24 @@ class Profile:
                 units=costs,
                 micro_batch_size=data["micro_batch_size"],
                 seq_tokens=data.get("seq_tokens", 0),
-                p2p_seconds=data["p2p"]["seconds"],
+                p2p_seconds=data.get("message_latency_s", data["p2p"]["seconds"]),
                 optimizer_s_per_byte=data.get("optimizer_s_per_param_byte", 0.0),
                 cores=data.get("cores", 0),
                 threads=data.get("threads", 1),
+                rendezvous_s=data.get("rendezvous_s", 0.0),
+                message_work_s=data.get("message_work_s", 0.0),
             )
             if "calibration" not in data:
                 return profile
             calibration = _calibration(data, len(units))
         except KeyError as err:
             raise ProfileError(f"profile lacks {err}: write it with tidal run --profile") from None
-        profile = Profile(**{k: getattr(profile, k) for k in cls.__slots__
-                             if k != "calibration"}, calibration=calibration)
-        return Profile(**{k: getattr(profile, k) for k in cls.__slots__ if k != "p2p_seconds"},
-                       p2p_seconds=_message_latency(profile, data))
+        # The posting of a SEND and a RECV counts on the compute beside it already.
+        posting = sum(calibration.send_s.values()) + sum(calibration.recv_s.values())
+        return dataclasses.replace(
+            profile, calibration=calibration,
+            message_work_s=max(0.0, profile.message_work_s - posting / 4),
+        )
 
 
 def _calibration(data: dict[str, Any], num_units: int) -> Calibration:
@@ -173,36 +188,6 @@ def _calibration(data: dict[str, Any], num_units: int) -> Calibration:
                           if k != "in_run"}, in_run=real / calibrated)
 
 
-def _message_latency(profile: Profile, data: dict[str, Any]) -> float:
-    """One message's latency as the profiled pipeline saw it, at least the ping-pong's.
-
-    A blocked rank wakes up late when the cores are busy (its own peers, gloo's threads, other
-    load), so a message costs the pipeline more than an idle ping-pong shows. The latency is
-    the one with which the dry run of the profiled layout takes as long as its plain profiled
-    steps' pipeline did (the slowest rank's median).
-    """
-    parts = data.get("step_parts") or {}
-    if "layout" not in data or not parts:
-        return profile.p2p_seconds
-    layout = Layout(**data["layout"])
-    if layout.pp == 1:
-        return profile.p2p_seconds
-    measured = max(part["pipeline_s"] for part in parts.values())
-
-    def makespan(latency: float) -> float:
-        trial = Profile(**{k: getattr(profile, k) for k in Profile.__slots__
-                           if k != "p2p_seconds"}, p2p_seconds=latency)
-        return _settle(trial, layout)[1].makespan
-
-    low, high = profile.p2p_seconds, max(profile.p2p_seconds, measured)
-    if makespan(low) >= measured:
-        return low
-    for _ in range(30):  # bisection: the makespan grows with the latency
-        mid = (low + high) / 2
-        low, high = (mid, high) if makespan(mid) < measured else (low, mid)
-    return (low + high) / 2
-
-
 def load_profile(path: str | Path) -> Profile:
     try:
         return Profile.from_dict(json.loads(Path(path).read_text()))
@@ -229,8 +214,7 @@ def _contention(profile: Profile, layout: Layout) -> float:
 
 
 def _calibrated_costs(
-    profile: Profile, layout: Layout, lowered: Mapping[int, Sequence[Action]],
-    slowdown: Sequence[float],
+    profile: Profile, layout: Layout, lowered: Mapping[int, Sequence[Action]]
 ) -> Costs:
     cal = profile.calibration
     assert cal is not None
@@ -240,7 +224,7 @@ def _calibrated_costs(
     split_stages = {a.stage for actions in lowered.values() for a in actions if a.kind is Kind.I}
     forward, input_grad, weight_grad = [], [], []
     for s in range(layout.num_stages):
-        units, slow = layout.stage_units(s), slowdown[layout.stage_rank(s)]
+        units = layout.stage_units(s)
 
         def cost(kind: str, units=units) -> float:
             return scale * cal.stage(kind, units, m)
@@ -259,15 +243,15 @@ def _calibrated_costs(
             i, w = b_comm, cost("backward")
         else:
             i, w = cost("input_grad") + b_comm, cost("weight_grad")
-        forward.append(slow * f)
-        input_grad.append(slow * i)
-        weight_grad.append(slow * w)
+        forward.append(f)
+        input_grad.append(i)
+        weight_grad.append(w)
     ratio = m / profile.micro_batch_size
     return Costs(
         forward=tuple(forward),
         input_grad=tuple(input_grad),
         weight_grad=tuple(weight_grad),
-        comm=profile.p2p_seconds,  # a wake-up latency, not a transfer: the same for any size
+        comm=profile.p2p_seconds,  # wake-ups more than bytes: the same for any size
         activation_bytes=tuple(
             ratio * sum(profile.units[u].activation_bytes for u in layout.stage_units(s))
             for s in range(layout.num_stages)
@@ -295,61 +279,24 @@ def _linear_costs(profile: Profile, layout: Layout) -> Costs:
     )
 
 
-def rank_slowdown(sim: SimResult, cores: float, replicas: int = 1) -> tuple[float, ...]:
-    """Per rank, the mean of ``max(1, busy / cores)`` over its compute spans in ``sim``.
-
-    ``busy`` counts the ranks computing at each moment, over ``replicas`` identical pipelines.
-    """
-    spans = [
-        [(s.start, s.end) for s in timeline if s.action.kind.is_compute and s.end > s.start]
-        for timeline in sim.timeline
-    ]
-    edges = sorted({t for rank in spans for span in rank for t in span})
-    change = [0] * len(edges)
-    for rank in spans:
-        for start, end in rank:
-            change[bisect.bisect_left(edges, start)] += 1
-            change[bisect.bisect_left(edges, end)] -= 1
-    stretch, busy = [], 0  # per elementary interval [edges[i], edges[i + 1])
-    for i in range(len(edges) - 1):
-        busy += change[i]
-        stretch.append(max(1.0, replicas * busy / cores))
-    out = []
-    for rank in spans:
-        stretched = total = 0.0
-        for start, end in rank:
-            for i in range(bisect.bisect_left(edges, start), bisect.bisect_left(edges, end)):
-                stretched += (edges[i + 1] - edges[i]) * stretch[i]
-            total += end - start
-        out.append(stretched / total if total else 1.0)
-    return tuple(out)
+def _machine(profile: Profile, layout: Layout) -> Machine:
+    return Machine(cores=_cores(profile), replicas=layout.dp, rendezvous=profile.rendezvous_s,
+                   message_work=profile.message_work_s)
 
 
-def _settle(profile: Profile, layout: Layout, rounds: int = 12) -> tuple[Costs, SimResult]:
-    """Costs and dry run of ``layout`` with each rank's slowdown from sharing the cores."""
+def _dry_run(profile: Profile, layout: Layout) -> SimResult:
+    """The dry run of ``layout``, its ranks sharing the machine's cores."""
     lowered = plan_step(layout)
-    slowdown = [1.0] * layout.pp
-    costs = _calibrated_costs(profile, layout, lowered, slowdown)
-    sim = simulate(layout, lowered, costs).raise_on_deadlock()
-    cores = _cores(profile)
-    if layout.world_size <= cores:
-        return costs, sim
-    for _ in range(rounds):
-        target = rank_slowdown(sim, cores, layout.dp)
-        if max(abs(a - b) for a, b in zip(target, slowdown, strict=True)) < 1e-3:
-            break
-        slowdown = [(a + b) / 2 for a, b in zip(target, slowdown, strict=True)]  # damped
-        costs = _calibrated_costs(profile, layout, lowered, slowdown)
-        sim = simulate(layout, lowered, costs).raise_on_deadlock()
-    return costs, sim
+    costs = _calibrated_costs(profile, layout, lowered)
+    return simulate(layout, lowered, costs, _machine(profile, layout)).raise_on_deadlock()
 
 
 def profiled_costs(profile: Profile, layout: Layout) -> Costs:
-    """Per-stage simulator costs of ``layout`` from the profile (with core sharing settled)."""
+    """Per-stage simulator costs of ``layout`` from the profile (work, before core sharing)."""
     _check_units(profile, layout)
     if profile.calibration is None:
         return _linear_costs(profile, layout)
-    return _settle(profile, layout)[0]
+    return _calibrated_costs(profile, layout, plan_step(layout))
 
 
 def predict_profiled(profile: Profile, layout: Layout, seq_len: int) -> Prediction:
@@ -366,7 +313,7 @@ def predict_profiled(profile: Profile, layout: Layout, seq_len: int) -> Predicti
         post = profile.optimizer_s_per_byte * max(rank_params) * _contention(profile, layout)
         collectives = 0.0
     else:
-        _, sim = _settle(profile, layout)
+        sim = _dry_run(profile, layout)
         post = _post_pipeline(profile, layout)
         collectives = _collectives(profile, layout)
     step = sim.makespan + post + collectives

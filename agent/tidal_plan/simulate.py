@@ -7,6 +7,13 @@ before it, the input gradient of the stage after it, or the RECV that brought th
 only move times: whether a list deadlocks depends on the order alone. The result gives
 makespan, bubble, peak activation memory per rank, each rank's timeline and, on deadlock, a
 rank x step grid with the action each rank is stuck on.
+
+With a ``Machine`` the ranks share its cores (processor sharing): while ``n`` ranks compute
+at once, each runs at ``min(1, cores / n)`` of its speed, so a compute action's cost is its work
+and its span stretches while more ranks than cores are busy. The machine's transport also
+tells apart the two orders of a message's ends: a RECV posted before its SEND gets the data
+``Costs.comm`` after the SEND, one posted after it (a rendezvous: the sender's side must answer
+first) ``Machine.rendezvous`` after the RECV.
 """
 
 from __future__ import annotations
@@ -112,19 +119,52 @@ class SimResult:
         return self
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Machine:
+    """The host a dry run's ranks share: its cores and what its transport costs a message.
+
+    ``replicas`` identical pipelines (data parallelism) share the ``cores``. ``rendezvous`` is
+    the delay of a message whose RECV is posted after its SEND: with gloo the data only leaves
+    once the receiver's notice reaches the sender's side, whose thread must be woken for it.
+    ``message_work`` is the CPU time each end of a message costs its process beside its rank's
+    own compute (the transport's threads): nothing while cores are idle, a share of them
+    while every core computes.
+    """
+
+    cores: float = math.inf
+    replicas: int = 1
+    rendezvous: float = 0.0
+    message_work: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.cores > 0 and self.replicas >= 1 and self.rendezvous >= 0
+                and self.message_work >= 0):
+            raise ValueError(
+                f"{self}: cores must be positive, replicas at least 1, rendezvous and "
+                "message_work non-negative"
+            )
+
+
 def simulate(
-    layout: Layout, lowered: Mapping[int, Sequence[Action]], costs: Costs | None = None
+    layout: Layout,
+    lowered: Mapping[int, Sequence[Action]],
+    costs: Costs | None = None,
+    machine: Machine | None = None,
 ) -> SimResult:
     """Run ``lowered`` (one list per pipeline rank) under ``costs`` (unit costs by default).
 
-    Raises ``ValueError`` for lists no schedule could mean: an action on the wrong rank, an
-    action twice, communication between stages of one rank, or a SEND nobody receives. A RECV
-    nobody sends is a deadlock, shown in the grid.
+    With a ``machine`` the ranks share its cores (see the module docstring); without, every
+    rank has a core of its own. Raises ``ValueError`` for lists no schedule could mean: an
+    action on the wrong rank, an action twice, communication between stages of one rank, or a
+    SEND nobody receives. A RECV nobody sends is a deadlock, shown in the grid.
     """
     costs = costs if costs is not None else Costs()
     costs.check(layout.num_stages)
     _check_lists(layout, lowered)
-    replay = _Replay(layout, lowered, costs)
+    if machine is None:
+        replay = _Replay(layout, lowered, costs)
+    else:
+        replay = _SharedReplay(layout, lowered, costs, machine)
     replay.run()
     return replay.result()
 
@@ -290,6 +330,108 @@ class _Replay:
             if action in actions:
                 return f"(rank {rank} has not run it yet)"
         return "(on no rank's list)"
+
+
+class _SharedReplay(_Replay):
+    """A dry run in time order, where the ranks share the cores of a ``Machine``.
+
+    Unlike ``_Replay``, a rank cannot run ahead: how fast it computes depends on what the
+    others do at the same moment. Between two events (a compute or a message's handling
+    ends, a message arrives) the set of busy ranks and messages being handled is fixed, and
+    each does ``min(1, cores / busy)`` seconds of work per second.
+    """
+
+    def __init__(self, layout: Layout, lowered: Mapping[int, Sequence[Action]], costs: Costs,
+                 machine: Machine):
+        super().__init__(layout, lowered, costs)
+        self.cores = machine.cores / machine.replicas  # per pipeline
+        self.rendezvous = machine.rendezvous
+        self.message_work = machine.message_work
+        self.jobs: list[float] = []  # work left of the messages being handled
+        self.left: list[float | None] = [None] * layout.pp  # work left of the running compute
+        self.started = [0.0] * layout.pp
+
+    def run(self) -> None:
+        now = 0.0
+        while True:
+            waking = self._advance_all(now)
+            running = [rank for rank in self.lists if self.left[rank] is not None]
+            if not running and not self.jobs:
+                if math.isinf(waking):
+                    return  # finished, or deadlocked
+                now = waking
+                continue
+            rate = min(1.0, self.cores / (len(running) + len(self.jobs)))
+            least = min([self.left[rank] for rank in running] + self.jobs)
+            if waking < now + least / rate:  # a message comes before any work ends
+                done, now = (waking - now) * rate, waking
+                for rank in running:
+                    self.left[rank] -= done
+                self.jobs = [left - done for left in self.jobs]
+                continue
+            now += least / rate
+            self.jobs = [left - least for left in self.jobs if left > least]
+            for rank in running:
+                if self.left[rank] > least:
+                    self.left[rank] -= least
+                else:
+                    self._finish(rank, now)
+
+    def _advance_all(self, now: float) -> float:
+        """Run what every idle rank can at ``now``; the earliest time a blocked one can go on."""
+        while True:
+            before = list(self.pc), [left is None for left in self.left]
+            waking = min((self._advance(rank, now) for rank in self.lists
+                          if self.left[rank] is None), default=math.inf)
+            if (self.pc, [left is None for left in self.left]) == before:
+                return waking
+
+    def _advance(self, rank: int, now: float) -> float:
+        """Run ``rank``'s actions that can go at ``now``; when it can go on (inf: unknown)."""
+        actions = self.lists[rank]
+        while self.pc[rank] < len(actions):
+            action = actions[self.pc[rank]]
+            ready = self._ready_time(action)
+            if ready is not None and action.kind in (Kind.RECV_F, Kind.RECV_B):
+                ready = self._delivery(rank, action, ready)
+            if ready is None:
+                return math.inf
+            if ready > now:
+                return ready
+            if action.kind.is_compute:
+                self.clock[rank] = max(self.clock[rank], now)
+                self.started[rank] = now
+                self.left[rank] = self.costs.time(action)
+                if self.left[rank] > 0.0:
+                    return math.inf
+                self._finish(rank, now)
+            else:
+                self._execute(rank, action, ready)
+                self.pc[rank] += 1
+                if self.message_work > 0.0:  # each end of a message costs its process work
+                    self.jobs.append(self.message_work)
+        return math.inf
+
+    def _delivery(self, rank: int, recv: Action, arrival: float) -> float:
+        """When the data of ``recv``, which ``rank`` reached at its clock, is there."""
+        posted = arrival - self.costs.comm  # the SEND's posting
+        if self.clock[rank] <= posted:
+            return arrival
+        return max(arrival, self.clock[rank] + self.rendezvous)
+
+    def _finish(self, rank: int, now: float) -> None:
+        action = self.lists[rank][self.pc[rank]]
+        self.left[rank] = None
+        self.spans[rank].append(Span(self.started[rank], now, action))
+        self.available[action] = now
+        self.busy += now - self.started[rank]
+        self.clock[rank] = now
+        if action.kind is Kind.F:
+            self.memory[rank] += self.costs.activation(action.stage)
+            self.peak[rank] = max(self.peak[rank], self.memory[rank])
+        elif action.kind in (Kind.B, Kind.W):
+            self.memory[rank] -= self.costs.activation(action.stage)
+        self.pc[rank] += 1
 
 
 def _check_lists(layout: Layout, lowered: Mapping[int, Sequence[Action]]) -> None:

@@ -1,15 +1,9 @@
 import pytest
 
 from tidal_plan.layout import build_layout
-from tidal_plan.profiled import (
-    Affine,
-    Profile,
-    ProfileError,
-    predict_profiled,
-    profiled_costs,
-    rank_slowdown,
-)
-from tidal_plan.simulate import Costs, plan_step, simulate
+from tidal_plan.ir import Action
+from tidal_plan.profiled import Affine, Profile, ProfileError, predict_profiled, profiled_costs
+from tidal_plan.simulate import Costs, Machine, plan_step, simulate
 
 
 def _profile(cores=0):
@@ -60,7 +54,7 @@ def test_profile_errors():
 KINDS = ("forward", "backward", "input_grad", "weight_grad", "post")
 
 
-def _calibrated(*, cores=0, actions=None, step_parts=None, overhead=0.0, world_size=2,
+def _calibrated(*, cores=0, actions=None, messages=None, overhead=0.0, world_size=2,
                 collectives=0.0):
     """Four units: F = 1 + 1/sample, B = 2 + 2/sample, I = W = 1 + 1/sample, post 0.5."""
     unit = {
@@ -86,8 +80,7 @@ def _calibrated(*, cores=0, actions=None, step_parts=None, overhead=0.0, world_s
     }
     if actions is not None:
         data["actions_s"] = actions
-    if step_parts is not None:
-        data["step_parts"] = step_parts
+    data.update(messages or {})
     return Profile.from_dict(data)
 
 
@@ -124,34 +117,101 @@ def test_in_run_factor_scales_to_the_runs_own_actions():
     assert profiled_costs(profile, layout).forward == pytest.approx((1.5 * 12.0,))
 
 
-def test_message_latency_comes_from_the_profiled_pipeline():
-    layout = build_layout(num_units=4, workers=2, micro_batch_size=2, num_micro_batches=4)
-    quiet = predict_profiled(_calibrated(), layout, 16).pipeline_seconds
-    assert _calibrated(step_parts={"0": {"pipeline_s": quiet}}).p2p_seconds == 0.0
-    slow = _calibrated(step_parts={"0": {"pipeline_s": quiet + 5.0}})
-    assert slow.p2p_seconds > 0.0
-    assert predict_profiled(slow, layout, 16).pipeline_seconds == pytest.approx(quiet + 5.0)
+def test_message_costs_come_from_the_profile():
+    layout = build_layout(num_units=4, workers=2, micro_batch_size=2, num_micro_batches=4,
+                          schedule="gpipe")
+    quiet = _calibrated(cores=2)
+    assert quiet.p2p_seconds == 0.0  # no measured latency: the ping-pong's
+    slow = _calibrated(cores=2, messages={"message_latency_s": 0.5, "rendezvous_s": 2.0,
+                                          "message_work_s": 0.25})
+    assert (slow.p2p_seconds, slow.rendezvous_s, slow.message_work_s) == (0.5, 2.0, 0.25)
+    assert (predict_profiled(slow, layout, 16).pipeline_seconds
+            > predict_profiled(quiet, layout, 16).pipeline_seconds + 2 * 0.5)
 
 
 def test_more_busy_ranks_than_cores_share_them():
     layout = build_layout(num_units=4, workers=4, micro_batch_size=2, num_micro_batches=4,
                           schedule="gpipe")
     roomy, crowded = _calibrated(cores=8), _calibrated(cores=2)
-    assert profiled_costs(roomy, layout).forward == pytest.approx((3.0,) * 4)
-    slowed = profiled_costs(crowded, layout).forward
-    assert all(3.0 < f <= 6.0 for f in slowed)  # at most 4 ranks on 2 cores: half speed
-    assert (predict_profiled(crowded, layout, 16).step_seconds
-            > predict_profiled(roomy, layout, 16).step_seconds)
+    # Costs are work; the dry run stretches them while more ranks than cores compute.
+    assert profiled_costs(crowded, layout).forward == pytest.approx((3.0,) * 4)
+    fast = predict_profiled(roomy, layout, 16).pipeline_seconds
+    slow = predict_profiled(crowded, layout, 16).pipeline_seconds
+    assert fast < slow <= 2 * fast  # at most 4 ranks on 2 cores: at worst half speed
+    work = sum(Costs(forward=3.0, input_grad=6.0, weight_grad=0.0).time(a)
+               for actions in plan_step(layout).values() for a in actions)
+    assert slow >= work / 2  # two cores cannot do it faster
 
 
-def test_rank_slowdown_averages_the_oversubscription_over_each_ranks_compute():
-    layout = build_layout(num_units=4, workers=2, micro_batch_size=2, num_micro_batches=1,
+# -- the dry run on shared cores ----------------------------------------------------------------
+
+
+def _times(result):
+    return [t for rank in result.timeline for span in rank for t in (span.start, span.end)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_a_machine_with_a_core_per_rank_changes_nothing(schedule):
+    layout = build_layout(num_units=6, workers=3, micro_batch_size=1, num_micro_batches=5,
+                          schedule=schedule)
+    costs = Costs(forward=(1.0, 2.0, 1.5), input_grad=(2.0, 1.0, 2.5),
+                  weight_grad=(0.5, 1.0, 0.2), comm=0.3)
+    lowered = plan_step(layout)
+    plain = simulate(layout, lowered, costs)
+    shared = simulate(layout, lowered, costs, Machine(cores=3))
+    assert [[s.action for s in rank] for rank in shared.timeline] == [
+        [s.action for s in rank] for rank in plain.timeline]
+    assert _times(shared) == pytest.approx(_times(plain))
+    assert shared.peak_memory == plain.peak_memory
+
+
+def test_one_core_does_all_the_work_one_piece_at_a_time():
+    # r0: F0 [0,1] F1 [1,2]; r1: F0 [1,2] F1 [2,3] B0 [3,4] B1 [4,5]; r0: B0 [4,5] B1 [5,6].
+    layout = build_layout(num_units=2, workers=2, micro_batch_size=1, num_micro_batches=2,
                           schedule="gpipe")
-    sim = simulate(layout, plan_step(layout), Costs(forward=1.0, input_grad=1.0,
-                                                    weight_grad=0.0))
-    # Only one rank computes at a time in a one-micro-batch pipeline.
-    assert rank_slowdown(sim, cores=1) == (1.0, 1.0)
-    assert rank_slowdown(sim, cores=1, replicas=2) == (2.0, 2.0)
+    costs = Costs(forward=1.0, input_grad=1.0, weight_grad=0.0)
+    lowered = plan_step(layout)
+    assert simulate(layout, lowered, costs).makespan == pytest.approx(6.0)
+    one = simulate(layout, lowered, costs, Machine(cores=1))
+    assert one.makespan == pytest.approx(8.0)  # never idle, never two at once
+    # Both ranks compute during [1, 3] at half speed: r0's F1 and r1's F0 end at 3.
+    (r0_f1,) = [s for s in one.timeline[0] if s.action == Action.parse("0F1")]
+    (r1_f0,) = [s for s in one.timeline[1] if s.action == Action.parse("1F0")]
+    assert (r0_f1.start, r0_f1.end) == pytest.approx((1.0, 3.0))
+    assert (r1_f0.start, r1_f0.end) == pytest.approx((1.0, 3.0))
+    two_replicas = simulate(layout, lowered, costs, Machine(cores=2, replicas=2))
+    assert two_replicas.makespan == pytest.approx(8.0)  # two pipelines on two cores
+
+
+def test_a_receive_posted_after_its_send_waits_for_the_rendezvous():
+    # Stage 1 is slower: r1 posts RECV_F1 at 3, after r0's SEND_F1 at 2; the data comes 0.5
+    # after the posting. r1: F0 [1,3] F1 [3.5,5.5].
+    layout = build_layout(num_units=2, workers=2, micro_batch_size=1, num_micro_batches=2,
+                          schedule="gpipe")
+    costs = Costs(forward=(1.0, 2.0), input_grad=1.0, weight_grad=0.0)
+    lowered = plan_step(layout)
+    result = simulate(layout, lowered, costs, Machine(rendezvous=0.5))
+    (f1,) = [s for s in result.timeline[1] if s.action == Action.parse("1F1")]
+    assert (f1.start, f1.end) == pytest.approx((3.5, 5.5))
+    # r0 waits for each gradient, posted before it is sent: no rendezvous there.
+    plain = simulate(layout, lowered, costs)
+    assert result.makespan == pytest.approx(plain.makespan + 0.5)
+
+
+def test_handling_messages_takes_cores_from_compute():
+    layout = build_layout(num_units=4, workers=4, micro_batch_size=1, num_micro_batches=4)
+    costs = Costs(forward=1.0, input_grad=1.0, weight_grad=0.0)
+    lowered = plan_step(layout)
+    roomy = simulate(layout, lowered, costs, Machine(message_work=0.5)).makespan
+    assert roomy == pytest.approx(simulate(layout, lowered, costs).makespan)
+    crowded = simulate(layout, lowered, costs, Machine(cores=2)).makespan
+    assert simulate(layout, lowered, costs, Machine(cores=2, message_work=0.5)).makespan > crowded
+
+
+def test_machine_errors():
+    for bad in ({"cores": 0}, {"replicas": 0}, {"rendezvous": -1.0}, {"message_work": -1.0}):
+        with pytest.raises(ValueError, match="cores must be positive"):
+            Machine(**bad)
 
 
 def test_post_pipeline_and_all_reduces():
