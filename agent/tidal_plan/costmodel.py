@@ -10,6 +10,8 @@ docstring): good for ranking layouts, not for promising seconds.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -347,6 +349,24 @@ def unit_costs(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def model_unit_costs(
+    shape: ModelShape,
+    micro_batch_size: int,
+    device: Device,
+    dp: int = 1,
+    sharding: Sharding = NO_SHARDING,
+) -> tuple[UnitCosts, ...]:
+    """``unit_costs`` of every placement unit, in unit order.
+
+    Cached: a search prices thousands of layouts over a handful of (micro-batch size, dp).
+    """
+    return tuple(
+        unit_costs(shape, u, micro_batch_size, device, dp=dp, sharding=sharding)
+        for u in range(shape.num_units)
+    )
+
+
 # --- a layout on a device ------------------------------------------------------------------------
 
 
@@ -360,12 +380,11 @@ def _check_layout(shape: ModelShape, layout: Layout) -> None:
 
 def stage_costs(units: Sequence[UnitCosts], layout: Layout, comm: float) -> Costs:
     """The simulator's per-stage costs of ``layout``: each stage sums its units."""
+    edges = list(itertools.accumulate(layout.partition, initial=0))
 
     def per_stage(field: str) -> tuple[float, ...]:
-        return tuple(
-            sum(getattr(units[u], field) for u in layout.stage_units(stage))
-            for stage in range(layout.num_stages)
-        )
+        column = [getattr(u, field) for u in units]
+        return tuple(sum(column[a:b]) for a, b in itertools.pairwise(edges))
 
     return Costs(
         forward=per_stage("forward_s"),
@@ -395,10 +414,7 @@ def model_costs(
     ``p2p_latency_s``.
     """
     _check_layout(shape, layout)
-    units = [
-        unit_costs(shape, u, layout.micro_batch_size, device, dp=layout.dp, sharding=sharding)
-        for u in range(shape.num_units)
-    ]
+    units = model_unit_costs(shape, layout.micro_batch_size, device, layout.dp, sharding)
     return stage_costs(units, layout, message_seconds(shape, layout.micro_batch_size, device,
                                                       sharding))
 
@@ -461,17 +477,20 @@ def step_model(
     """Everything ``predict`` needs but the simulation (see there)."""
     _check_layout(shape, layout)
     sharding.check(shape, layout.dp)
-    units = [
-        unit_costs(shape, u, layout.micro_batch_size, device, dp=layout.dp, sharding=sharding)
-        for u in range(shape.num_units)
-    ]
+    units = model_unit_costs(shape, layout.micro_batch_size, device, layout.dp, sharding)
     comm = message_seconds(shape, layout.micro_batch_size, device, sharding)
-    rank_units = [
-        [u for stage in layout.rank_stages(rank) for u in layout.stage_units(stage)]
-        for rank in range(layout.pp)
-    ]
-    state = tuple(sum(units[u].state_bytes for u in ids) for ids in rank_units)
-    moved = max(sum(units[u].allreduce_bytes for u in ids) for ids in rank_units)
+    edges = list(itertools.accumulate(layout.partition, initial=0))
+
+    def per_rank(column: list[float]) -> list[float]:
+        return [
+            sum(itertools.chain.from_iterable(
+                column[edges[stage]:edges[stage + 1]] for stage in layout.rank_stages(rank)
+            ))
+            for rank in range(layout.pp)
+        ]
+
+    state = tuple(per_rank([u.state_bytes for u in units]))
+    moved = max(per_rank([u.allreduce_bytes for u in units]))
     return StepModel(
         costs=stage_costs(units, layout, comm),
         allreduce_s=moved / device.p2p_bandwidth,

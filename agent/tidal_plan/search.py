@@ -28,14 +28,14 @@ from tidal_plan.costmodel import (
     Prediction,
     Sharding,
     UnitCosts,
+    model_unit_costs,
     predict,
     step_model,
-    unit_costs,
 )
 from tidal_plan.devices import Device
 from tidal_plan.layout import Layout, LayoutError, ScheduleKind, even_partition
 from tidal_plan.profiled import Profile, predict_profiled
-from tidal_plan.simulate import makespan_lower_bound
+from tidal_plan.simulate import estimate_lower_bound
 
 
 class Predictor(Protocol):
@@ -78,11 +78,7 @@ class ModeledPredictor:
         return self.sharding.gpus_per_rank
 
     def units(self, micro_batch_size: int, dp: int) -> Sequence[UnitCosts]:
-        return [
-            unit_costs(self.shape, u, micro_batch_size, self.device, dp=dp,
-                       sharding=self.sharding)
-            for u in range(self.num_units)
-        ]
+        return model_unit_costs(self.shape, micro_batch_size, self.device, dp, self.sharding)
 
     def check(self, dp: int) -> str | None:
         try:
@@ -96,11 +92,11 @@ class ModeledPredictor:
 
     def bound(self, layout: Layout) -> tuple[float, float]:
         model = step_model(self.shape, layout, self.device, self.sharding)
-        memory = max(
-            state + max(model.costs.activation(s) for s in layout.rank_stages(rank))
-            for rank, state in enumerate(model.state_bytes)
-        )
-        return makespan_lower_bound(layout, model.costs) + model.after_pipeline_s, memory
+        step, peak = estimate_lower_bound(layout, model.costs)
+        memory = max(state + held for state, held in zip(model.state_bytes, peak, strict=True))
+        # The bounds are sums of the very terms the simulation adds, in another order: shave
+        # off what rounding could put on top.
+        return (step + model.after_pipeline_s) * (1 - 1e-9), memory * (1 - 1e-9)
 
 
 @dataclass(frozen=True)
@@ -207,56 +203,66 @@ class SearchResult:
 # --- partitions ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """What a unit costs the stage that holds it: its state, plus its activations for each
+    micro-batch the stage keeps in flight (a stage may keep more than another)."""
+
+    state: Sequence[float]  # per unit
+    activation: Sequence[float]  # per unit, one micro-batch
+    in_flight: Sequence[float]  # per stage
+
+
 def _pack(
     seconds: Sequence[float],
-    memory: Callable[[int, int], float],
+    memory: StageMemory | None,
     stages: int,
     limit: float,
     cap: float,
 ) -> tuple[int, ...] | None:
     """Greedy contiguous packing: each stage takes units while its seconds stay within
-    ``limit`` and its ``memory(stage, unit)`` within ``cap``.
+    ``limit`` and its memory within ``cap``.
 
     Returns ``stages`` stage sizes, or None when the limits cannot be met. Packing each stage as
     full as possible is optimal for feasibility (a later boundary never hurts later stages), and
     leaves one unit for each stage still to come.
     """
     n = len(seconds)
+    state, activation = (memory.state, memory.activation) if memory else ((0.0,) * n,) * 2
     sizes, unit = [], 0
     for stage in range(stages):
-        left = stages - stage - 1
+        end = n - (stages - stage - 1)
+        held = memory.in_flight[stage] if memory else 0.0
         time = mem = 0.0
-        size = 0
-        while unit + size < n - left:
-            t, m = seconds[unit + size], memory(stage, unit + size)
-            if size and (time + t > limit or mem + m > cap):
+        j = unit
+        while j < end:
+            t, m = seconds[j], state[j] + activation[j] * held
+            if j > unit and (time + t > limit or mem + m > cap):
                 break
-            time, mem, size = time + t, mem + m, size + 1
+            time, mem, j = time + t, mem + m, j + 1
         if time > limit or mem > cap:
             return None
-        sizes.append(size)
-        unit += size
+        sizes.append(j - unit)
+        unit = j
     return tuple(sizes) if unit == n else None
 
 
 def balanced_partition(
     seconds: Sequence[float],
     stages: int,
-    memory: Callable[[int, int], float] | None = None,
+    memory: StageMemory | None = None,
     memory_cap: float = float("inf"),
 ) -> tuple[int, ...] | None:
     """Contiguous stages minimising the slowest stage's seconds, each stage's memory capped.
 
-    ``memory(stage, unit)`` is what ``unit`` costs ``stage`` (a stage may be charged more per
-    unit than another: it keeps more micro-batches in flight). None if no partition fits.
+    None if no partition fits.
     """
     n = len(seconds)
     if not 1 <= stages <= n:
         return None
-    mem = memory or (lambda s, u: 0.0)
 
     def feasible(limit: float) -> tuple[int, ...] | None:
-        return _pack(seconds, mem, stages, limit, memory_cap)
+        return _pack(seconds, memory, stages, limit, memory_cap)
 
     hi = sum(seconds) + 1e-30
     best = feasible(hi)
@@ -292,12 +298,12 @@ def candidate_partitions(
     """Even, time-balanced and memory-capped time-balanced partitions, without repeats."""
     stages = pp * v
     seconds = [u.seconds for u in units]
-
-    def memory(stage: int, unit: int) -> float:
-        return units[unit].state_bytes + units[unit].activation_bytes * in_flight(
-            kind, pp, stage % pp, m, v
-        )
-
+    held = [in_flight(kind, pp, rank, m, v) for rank in range(pp)]
+    memory = StageMemory(
+        state=[u.state_bytes for u in units],
+        activation=[u.activation_bytes for u in units],
+        in_flight=[held[stage % pp] for stage in range(stages)],
+    )
     found = [
         even_partition(len(units), stages),
         balanced_partition(seconds, stages),

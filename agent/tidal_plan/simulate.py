@@ -18,10 +18,13 @@ first) ``Machine.rendezvous`` after the RECV.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -509,50 +512,98 @@ class StepEstimate:
     simulated: tuple[int, ...]
 
 
-_F, _I, _W, _B, _SEND, _RECV = range(6)
-_CODE = {Kind.F: _F, Kind.I: _I, Kind.W: _W, Kind.B: _B, Kind.SEND_F: _SEND,
-         Kind.SEND_B: _SEND, Kind.RECV_F: _RECV, Kind.RECV_B: _RECV}
+_F, _I, _W, _B = range(4)
+_CODE = {Kind.F: _F, Kind.I: _I, Kind.W: _W, Kind.B: _B}
+# What an action's result is to its consumers: a forward's output, an input gradient (B or I;
+# a stage runs one of them per micro-batch) or a weight gradient, which nothing waits for.
+_ROLE = {Kind.F: 0, Kind.B: 1, Kind.I: 1, Kind.W: 2}
+_KIND = operator.itemgetter(1)
 
 
 @dataclass(frozen=True, slots=True)
 class _Program:
-    """Per rank: (code, stage, ids of the actions it waits for, own id) of every action."""
+    """Per rank: (two slots it waits for, own slot, operation) of every compute action.
 
-    ranks: tuple[tuple[tuple[int, int, tuple[int, ...], int], ...], ...]
+    A result has two slots: ``slot`` when it is ready on its own rank and ``slot + size`` when
+    its message has reached the neighbouring rank. Folding communication into the slots gives
+    ``simulate``'s times to the bit: a SEND is posted the moment its compute ends and arrives
+    ``comm`` later; a RECV right before its compute only moves the rank's clock to that
+    arrival, which the compute's own wait does too. An action waits for at most two results;
+    slot ``2 * size``, ready at time 0, stands in for a missing one. The operation ``code *
+    stages + stage`` indexes what the action costs and what it does to its rank's memory, both
+    laid out by ``_replay`` per cost model.
+    """
+
+    ranks: tuple[tuple[tuple[int, int, int, int], ...], ...]
     size: int
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Hold off the cyclic garbage collector while compiling a program.
+
+    A long step's compute lists and program are hundreds of thousands of small objects made at
+    once and kept (none forms a cycle); collections triggered by their allocation would rescan
+    everything already cached, a sixth of a large scale table's build.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @functools.lru_cache(maxsize=512)
 def _program(layout: Layout) -> _Program:
+    with _collector_paused():
+        return _compile(layout)
+
+
+def _compile(layout: Layout) -> _Program:
     # plan_step without its checks: the runtime only runs lists plan_step passed, the schedule
     # generators are tested against validate_compute, and _replay finds a deadlock itself.
-    lowered = lower(layout, compute_actions(layout))
-    m = layout.num_micro_batches
+    compute = compute_actions(layout)
+    m, stages = layout.num_micro_batches, layout.num_stages
+    size = 3 * stages * m
+    rank_of = [layout.stage_rank(stage) for stage in range(stages)]
+
+    def slot(stage: int, role: int, remote: bool) -> int:
+        return (3 * stage + role) * m + (size if remote else 0)
+
     # An action waits for actions of its own micro-batch, and which ones depends only on its
-    # (stage, kind): resolve that once per pair, and number actions pair by pair, m apart.
-    present = {(a.stage, a.kind) for actions in lowered.values() for a in actions}
-    base = {pair: i * m for i, pair in enumerate(sorted(present))}
-    pattern: dict[tuple[int, Kind], tuple[int, ...]] = {}
-    for stage, kind in present:
+    # (stage, kind): build the entries of a (stage, kind) for every micro-batch at once, then
+    # look each action's up.
+    def build(stage: int, kind: Kind) -> list[tuple[int, int, int, int]]:
         deps = []
-        for alternatives in _needs(layout, Action(stage, kind, 0)):
-            found = [a[:2] for a in alternatives if a[:2] in present]
-            if not found:
-                raise DeadlockError(
-                    f"{Action(*alternatives[0])} is on no rank's list, but {stage}{kind.value} "
-                    "actions wait for it"
-                )
-            deps.append(base[found[0]])
-        pattern[(stage, kind)] = tuple(deps)
+        if kind is Kind.F and stage > 0:
+            deps.append(slot(stage - 1, 0, rank_of[stage - 1] != rank_of[stage]))
+        elif kind is Kind.B or kind is Kind.I:
+            deps.append(slot(stage, 0, False))
+            if stage < stages - 1:
+                deps.append(slot(stage + 1, 1, rank_of[stage + 1] != rank_of[stage]))
+        elif kind is Kind.W:
+            deps.append(slot(stage, 1, False))
+        op, me = _CODE[kind] * stages + stage, slot(stage, _ROLE[kind], False)
+        if len(deps) == 2:
+            a, b = deps
+            return [(a + mb, b + mb, me + mb, op) for mb in range(m)]
+        if deps:
+            (a,) = deps
+            return [(a + mb, 2 * size, me + mb, op) for mb in range(m)]
+        return [(2 * size, 2 * size, me + mb, op) for mb in range(m)]
+
     ranks = []
-    for rank in sorted(lowered):
-        row = []
-        for stage, kind, mb in lowered[rank]:
-            pair = (stage, kind)
-            deps = tuple(d + mb for d in pattern[pair])
-            row.append((_CODE[kind], stage, deps, base[pair] + mb))
-        ranks.append(tuple(row))
-    return _Program(ranks=tuple(ranks), size=len(base) * m)
+    for rank in range(layout.pp):
+        actions = compute[rank]
+        kinds = set(map(_KIND, actions))
+        entries: list[dict[Kind, list[tuple[int, int, int, int]]]] = [{}] * stages
+        for stage in layout.rank_stages(rank):
+            entries[stage] = {kind: build(stage, kind) for kind in kinds}
+        ranks.append(tuple([entries[stage][kind][mb] for stage, kind, mb in actions]))
+    return _Program(ranks=tuple(ranks), size=size)
 
 
 def _per_stage(value: PerStage, stages: int) -> list[float]:
@@ -567,9 +618,13 @@ def _replay(layout: Layout, costs: Costs) -> tuple[float, float, tuple[float, ..
     i = _per_stage(costs.input_grad, stages)
     w = _per_stage(costs.weight_grad, stages)
     act = _per_stage(costs.activation_bytes, stages)
-    duration = (f, i, w, [a + b for a, b in zip(i, w, strict=True)])
-    comm = costs.comm
-    available = [-1.0] * program.size
+    freed = [-a for a in act]
+    # By operation (code * stages + stage): seconds, and bytes added to the rank's memory. A
+    # forward keeps its activations, B or W frees them (x + -a is x - a to the bit), I neither.
+    took_of = f + i + w + [a + b for a, b in zip(i, w, strict=True)]
+    kept_of = act + [0.0] * stages + freed + freed
+    comm, size = costs.comm, program.size
+    available = [-1.0] * (2 * size) + [0.0]
     pcs = [0] * layout.pp
     clock = [0.0] * layout.pp
     memory = [0.0] * layout.pp
@@ -580,38 +635,24 @@ def _replay(layout: Layout, costs: Costs) -> tuple[float, float, tuple[float, ..
         progress = False
         for rank, actions in enumerate(program.ranks):
             pc, now, n = pcs[rank], clock[rank], len(actions)
+            held, most = memory[rank], peak[rank]
             while pc < n:
-                code, stage, deps, me = actions[pc]
-                ready = 0.0
-                for dep in deps:
-                    at = available[dep]
-                    if at < 0.0:
-                        break
-                    if at > ready:
-                        ready = at
-                else:
-                    start = now if now > ready else ready
-                    if code == _RECV:
-                        available[me] = start
-                    elif code == _SEND:
-                        available[me] = start + comm
-                    else:
-                        took = duration[code][stage]
-                        start += took
-                        busy += took
-                        available[me] = start
-                        if code == _F:
-                            memory[rank] += act[stage]
-                            if memory[rank] > peak[rank]:
-                                peak[rank] = memory[rank]
-                        elif code != _I:
-                            memory[rank] -= act[stage]
-                    now = start
-                    pc += 1
-                    progress = True
-                    continue
-                break
-            pcs[rank], clock[rank] = pc, now
+                a, b, me, op = actions[pc]
+                at, bt = available[a], available[b]
+                if at < 0.0 or bt < 0.0:
+                    break
+                ready = at if at > bt else bt
+                took = took_of[op]
+                now = (now if now > ready else ready) + took
+                busy += took
+                available[me] = now
+                available[me + size] = now + comm
+                held += kept_of[op]
+                if held > most:  # only a forward can raise it
+                    most = held
+                pc += 1
+                progress = True
+            pcs[rank], clock[rank], memory[rank], peak[rank] = pc, now, held, most
     if any(pc < len(actions) for pc, actions in zip(pcs, program.ranks, strict=True)):
         raise DeadlockError(f"{layout.describe()} deadlocks: plan_step should have refused it")
     return max(clock), busy, tuple(peak)
@@ -641,9 +682,8 @@ def estimate_step(layout: Layout, costs: Costs | None = None) -> StepEstimate:
     costs = costs if costs is not None else Costs()
     costs.check(layout.num_stages)
     m, period = layout.num_micro_batches, 2 * layout.pp
-    warmup = 2 * layout.num_stages + layout.pp
-    start = warmup + (m - warmup) % period
-    if 3 * (start + period) >= m:  # three short steps would cost more than the whole one
+    start = _extrapolation_start(layout)
+    if start is None:
         return _exact(layout, costs)
     points = [
         _replay(dataclasses.replace(layout, num_micro_batches=start + k * period), costs)
@@ -661,6 +701,15 @@ def estimate_step(layout: Layout, costs: Costs | None = None) -> StepEstimate:
         peak_memory=tuple(a + periods * (b - a) for a, b in zip(p0, p1, strict=True)),
         simulated=tuple(start + k * period for k in range(3)),
     )
+
+
+def _extrapolation_start(layout: Layout) -> int | None:
+    """The first of the three micro-batch counts ``estimate_step`` simulates for ``layout``, or
+    None where it simulates the whole step (three short steps would cost more)."""
+    m, period = layout.num_micro_batches, 2 * layout.pp
+    warmup = 2 * layout.num_stages + layout.pp
+    start = warmup + (m - warmup) % period
+    return None if 3 * (start + period) >= m else start
 
 
 def _affine(a: float, b: float, c: float) -> bool:
@@ -683,8 +732,8 @@ def makespan_lower_bound(layout: Layout, costs: Costs) -> float:
     Pipeline rank ``r`` cannot start before micro-batch 0 has crossed the ``r`` stages before
     it, then computes ``m`` micro-batches on each of its stages; its last backward (stage
     ``r``, last micro-batch; with a split backward, its last I) still has to cross those stages
-    back. The search
-    prices candidates in the order of this bound and stops once it exceeds the best step found.
+    back. It holds for any order of the actions; ``estimate_lower_bound`` tightens it with the
+    order each schedule fixes, and the search prices candidates in the order of that bound.
     """
     stages = layout.num_stages
     f = _per_stage(costs.forward, stages)
@@ -705,6 +754,90 @@ def makespan_lower_bound(layout: Layout, costs: Costs) -> float:
         tail += i[rank] + w[rank] + comm
         input_tail += i[rank] + comm
     return bound
+
+
+def estimate_lower_bound(layout: Layout, costs: Costs) -> tuple[float, tuple[float, ...]]:
+    """Bounds on ``estimate_step``'s makespan and on each rank's peak activation bytes.
+
+    Where the step is simulated whole, the schedule's order tightens ``makespan_lower_bound``:
+    it fixes how many forwards ``k`` a rank runs before its first backward (GPipe all ``m``,
+    1F1B ``pp - r``: its warm-up and one more; ZB-H1 at most ``pp - r`` by its in-flight
+    limit, and exactly that many). That backward, of micro-batch 0, waits for micro-batch 0
+    to reach the last stage and its gradient to come back; then the rank still owes its other
+    ``m - k`` forwards and every backward, and the last backward's gradient still has to cross
+    the ranks before it (with ZB-H1, the last I's does, after at least ``m - pp`` of the
+    rank's W: ZB-H1 holds at most ``pp`` micro-batches without their W, so its last forward
+    waits for them). GPipe is a flow shop twice over: the slowest stage's forwards, then its
+    backwards, each stretched by one pass of a micro-batch through the other stages. Until
+    its first backward frees anything, a rank holds its first ``k`` forwards' activations.
+
+    An extrapolated estimate can sit a little off the simulation, so a long step gets only the
+    generic bounds: ``makespan_lower_bound`` and one micro-batch's activations.
+    """
+    pp, m, stages, comm = layout.pp, layout.num_micro_batches, layout.num_stages, costs.comm
+    act = _per_stage(costs.activation_bytes, stages)
+    bound = makespan_lower_bound(layout, costs)
+    one = tuple(max(act[s] for s in layout.rank_stages(rank)) for rank in range(pp))
+    if _extrapolation_start(layout) is not None:
+        return bound, one
+    kind, last = layout.schedule, pp - 1
+    f = _per_stage(costs.forward, stages)
+    i = _per_stage(costs.input_grad, stages)
+    w = _per_stage(costs.weight_grad, stages)
+    b = [x + y for x, y in zip(i, w, strict=True)]
+    if kind is ScheduleKind.INTERLEAVED:
+        return _interleaved_bound(layout, bound, one, f, b, act, comm if pp > 1 else 0.0)
+    if kind is ScheduleKind.GPIPE:
+        flow = sum(f) + sum(b) + 2 * last * comm + (m - 1) * (max(f) + max(b))
+        return max(bound, flow), tuple(max(g, m * a) for g, a in zip(one, act, strict=True))
+    split = kind is ScheduleKind.ZERO_BUBBLE
+    forward = sum(f) + last * comm  # micro-batch 0 reaches the last stage
+    back = 0.0  # and its gradient comes back to rank r
+    for rank in range(last, -1, -1):
+        owed = (m - min(m, pp - rank)) * f[rank]
+        start = forward + back
+        if split:  # every W; or every I, the W before the last forward, then rank 0's last W
+            inputs = sum(i[s] + comm for s in range(rank))
+            bound = max(bound, start + owed + m * (i[rank] + w[rank]),
+                        start + owed + m * i[rank] + max(0, m - pp) * w[rank] + inputs + w[0])
+        else:
+            bound = max(bound, start + owed + m * b[rank] + sum(b[s] + comm for s in range(rank)))
+        back += (i if split else b)[rank] + comm
+    held = tuple(max(g, min(m, pp - r) * act[r]) for r, g in enumerate(one))
+    return bound, held
+
+
+def _interleaved_bound(
+    layout: Layout,
+    bound: float,
+    one: tuple[float, ...],
+    f: list[float],
+    b: list[float],
+    act: list[float],
+    comm: float,
+) -> tuple[float, tuple[float, ...]]:
+    """``estimate_lower_bound`` of an interleaved step simulated whole.
+
+    Rank ``r`` runs its warm-up forwards and one more (the ``k``-th on chunk ``(k // pp) % v``)
+    before its first backward: micro-batch 0 on its last chunk, once micro-batch 0 has gone
+    through every stage and its gradient has come back. Its last backward is micro-batch
+    ``m - 1`` on chunk 0, whose gradient still crosses the ranks before it.
+    """
+    pp, v, m = layout.pp, layout.virtual_stages, layout.num_micro_batches
+    stages = pp * v
+    forward = sum(f) + (stages - 1) * comm
+    held = []
+    for rank, generic in enumerate(one):
+        chunks = [c * pp + rank for c in range(v)]
+        first = min(m * v, (v - 1) * pp + 2 * (pp - rank - 1) + 1)  # forwards before it
+        cycles, rest = divmod(first, pp * v)
+        done = [cycles * pp + min(pp, max(0, rest - c * pp)) for c in range(v)]
+        start = forward + sum(b[s] + comm for s in range(chunks[-1] + 1, stages))
+        owed = sum((m - n) * f[s] for n, s in zip(done, chunks, strict=True))
+        backwards = m * sum(b[s] for s in chunks)
+        bound = max(bound, start + owed + backwards + sum(b[s] + comm for s in range(rank)))
+        held.append(max(generic, sum(n * act[s] for n, s in zip(done, chunks, strict=True))))
+    return bound, tuple(held)
 
 
 def clear_caches() -> None:

@@ -27,6 +27,7 @@ from tidal_plan.search import (
     Dropped,
     ModeledPredictor,
     SearchSpace,
+    StageMemory,
     balanced_partition,
     candidates,
     choose,
@@ -35,6 +36,7 @@ from tidal_plan.search import (
 )
 from tidal_plan.simulate import (
     Costs,
+    estimate_lower_bound,
     estimate_step,
     makespan_lower_bound,
     plan_step,
@@ -75,12 +77,14 @@ def test_estimate_is_within_a_percent_of_the_full_simulation(case):
     lay, costs = case
     full = simulate(lay, plan_step(lay), costs)
     fast = estimate_step(lay, costs)
-    exact = fast.simulated == (lay.num_micro_batches,)
-    rel = 1e-9 if exact else 1e-2
-    assert fast.makespan == pytest.approx(full.makespan, rel=rel)
-    assert fast.peak_memory == pytest.approx(full.peak_memory, rel=rel)
-    if exact:
+    if fast.simulated == (lay.num_micro_batches,):
+        # Simulated whole, the compiled program gives the simulator's figures to the bit: the
+        # scale tables print them in full.
+        assert (fast.makespan, fast.peak_memory) == (full.makespan, full.peak_memory)
         assert fast.bubble_fraction == pytest.approx(full.bubble_fraction, rel=1e-9, abs=1e-12)
+    else:
+        assert fast.makespan == pytest.approx(full.makespan, rel=1e-2)
+        assert fast.peak_memory == pytest.approx(full.peak_memory, rel=1e-2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -100,18 +104,53 @@ def test_long_steps_are_extrapolated_exactly(kind):
     assert fast.peak_memory == pytest.approx(full.peak_memory, rel=1e-9)
 
 
-@settings(max_examples=60, deadline=None)
-@given(layouts_and_costs(max_m=24))
-def test_the_lower_bound_is_one(case):
+@settings(max_examples=150, deadline=None)
+@given(layouts_and_costs(max_m=40))
+def test_the_lower_bounds_are_ones(case):
     lay, costs = case
-    assert makespan_lower_bound(lay, costs) <= simulate(lay, plan_step(lay), costs).makespan + 1e-9
+    full = simulate(lay, plan_step(lay), costs)
+    fast = estimate_step(lay, costs)
+    step, peak = estimate_lower_bound(lay, costs)
+    assert makespan_lower_bound(lay, costs) <= step <= full.makespan * (1 + 1e-12)
+    assert all(p <= q * (1 + 1e-12) for p, q in zip(peak, full.peak_memory, strict=True))
+    if fast.simulated == (lay.num_micro_batches,):
+        assert step <= fast.makespan * (1 + 1e-12)
+        assert all(p <= q * (1 + 1e-12) for p, q in zip(peak, fast.peak_memory, strict=True))
 
 
-def test_the_lower_bound_is_tight_for_balanced_1f1b_without_message_costs():
-    lay = build_layout(num_units=4, workers=4, micro_batch_size=1, num_micro_batches=8)
-    costs = Costs(forward=1.0, input_grad=1.0, weight_grad=1.0)
-    assert makespan_lower_bound(lay, costs) == simulate(lay, plan_step(lay), costs).makespan
-    assert makespan_lower_bound(lay, costs) == (8 + 4 - 1) * 3.0  # (m + pp - 1)(F + I + W)
+def _heavy_first_stage(kind):
+    # The first stage is the slowest; I = 2F and W = F/2, as in a block; messages cost 0.1.
+    lay = build_layout(num_units=4, workers=4, micro_batch_size=1, num_micro_batches=8,
+                       schedule=kind)
+    costs = Costs(forward=(1.5, 1.0, 1.0, 1.0), input_grad=(3.0, 2.0, 2.0, 2.0),
+                  weight_grad=(1.0, 0.5, 0.5, 0.5), comm=0.1,
+                  activation_bytes=(3.0, 2.0, 2.0, 1.0))
+    return lay, costs, simulate(lay, plan_step(lay), costs)
+
+
+def test_gpipe_is_bounded_by_its_flow_shop():
+    # All forwards, then all backwards: the slowest stage's, each stretched by one pass of a
+    # micro-batch through the other stages. Every rank holds all its activations.
+    lay, costs, full = _heavy_first_stage(ScheduleKind.GPIPE)
+    step, peak = estimate_lower_bound(lay, costs)
+    assert step == pytest.approx(4.5 + 11.5 + 6 * 0.1 + 7 * (1.5 + 4.0), rel=1e-12)
+    assert step == pytest.approx(full.makespan, rel=1e-12)
+    assert makespan_lower_bound(lay, costs) == pytest.approx(8 * 5.5)  # rank 0's work alone
+    assert peak == pytest.approx(full.peak_memory)
+    assert peak == pytest.approx((24.0, 16.0, 16.0, 8.0))
+
+
+@pytest.mark.parametrize("kind", [ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE])
+def test_the_first_backward_waits_for_a_round_trip(kind):
+    # Rank 0 runs pp forwards, then waits for micro-batch 0's gradient to come back through the
+    # other stages before its first backward: the generic bound, rank 0's work, misses the wait.
+    lay, costs, full = _heavy_first_stage(kind)
+    step, peak = estimate_lower_bound(lay, costs)
+    assert makespan_lower_bound(lay, costs) == pytest.approx(44.0)
+    assert step == pytest.approx(full.makespan, rel=1e-12)
+    assert step > 49.0
+    assert peak == pytest.approx((12.0, 6.0, 4.0, 1.0))  # pp - r micro-batches in flight
+    assert all(p <= q for p, q in zip(peak, full.peak_memory, strict=True))
 
 
 # --- partitions ----------------------------------------------------------------------------------
@@ -141,7 +180,7 @@ def test_balanced_partition_minimises_the_slowest_stage(seconds, data):
 def test_memory_cap_moves_units_off_the_stage_that_holds_most_micro_batches():
     seconds = [1.0] * 6
     # Stage 0 keeps three micro-batches in flight, stage 1 one: a unit costs it 3 bytes, not 1.
-    memory = lambda stage, unit: 3.0 if stage == 0 else 1.0  # noqa: E731
+    memory = StageMemory(state=[0.0] * 6, activation=[1.0] * 6, in_flight=[3, 1])
     assert balanced_partition(seconds, 2) == (3, 3)
     assert balanced_partition(seconds, 2, memory, memory_cap=6.0) == (2, 4)
     assert balanced_partition(seconds, 2, memory, memory_cap=2.0) is None
@@ -317,8 +356,11 @@ def test_flextrain_unknown_names_are_refused():
         flextrain_space("small", H100, elastic="tp")
 
 
-@pytest.mark.parametrize("name", ["small", "medium"])
+@pytest.mark.parametrize(
+    "name", ["small", "medium", pytest.param("large", marks=pytest.mark.slow)]
+)
 def test_checked_in_tables_are_what_the_planner_builds(name):
+    # Large takes seconds: its DP+PP rows simulate steps of up to 64 ranks x 384 micro-batches.
     for elastic in ("pp", "dp-pp"):
         table, _ = plan_flextrain(name, H100, elastic=elastic)
         path = ROOT / "examples" / "scale-tables" / f"flextrain-{name}-{elastic}.json"
