@@ -95,39 +95,38 @@ def _zero_bubble_h1(layout: Layout) -> Schedule:
     order is deadlock-free under any costs.
     """
     pp, m = layout.pp, layout.num_micro_batches
-    last = pp - 1
-    done: dict[Action, int] = {}  # finish time of every action taken so far
+    last, never = pp - 1, 1 << 62
+    # Finish times of F and I per (rank, micro-batch): plain lists, as the planner builds
+    # these lists for thousands of (pp, m) pairs.
+    f_done = [[never] * m for _ in range(pp)]
+    i_done = [[never] * m for _ in range(pp)]
     next_f, next_i, next_w = [0] * pp, [0] * pp, [0] * pp
+    free_at = [0] * pp
     schedule: Schedule = {rank: [] for rank in range(pp)}
-
-    def ready(action: Action, now: int) -> bool:
-        return action in done and done[action] <= now
-
-    def pick(rank: int, now: int) -> Action | None:
-        f, i, w = next_f[rank], next_i[rank], next_w[rank]
-        input_ready = rank == 0 or ready(Action(rank - 1, Kind.F, f), now)
-        if f < m and input_ready and f - i < pp - rank and f - w < pp:
-            next_f[rank] += 1
-            return Action(rank, Kind.F, f)
-        # F(rank, i) is done: i < f and the rank is free.
-        if i < f and (rank == last or ready(Action(rank + 1, Kind.I, i), now)):
-            next_i[rank] += 1
-            return Action(rank, Kind.I, i)
-        if w < i:
-            next_w[rank] += 1
-            return Action(rank, Kind.W, w)
-        return None
-
+    finished = 0  # ranks with every W done
     # Even a fully serial run ends within 3 * m * pp steps; running past them is a bug here,
     # not a bad layout.
     for now in range(3 * m * pp + 1):
         for rank in range(pp):
-            busy = bool(schedule[rank]) and done[schedule[rank][-1]] > now
-            action = None if busy else pick(rank, now)
-            if action is not None:
-                schedule[rank].append(action)
-                done[action] = now + 1
-        if all(next_w[rank] == m for rank in range(pp)):
+            if free_at[rank] > now:
+                continue
+            f, i, w = next_f[rank], next_i[rank], next_w[rank]
+            input_ready = rank == 0 or f < m and f_done[rank - 1][f] <= now
+            if f < m and input_ready and f - i < pp - rank and f - w < pp:
+                next_f[rank], f_done[rank][f] = f + 1, now + 1
+                schedule[rank].append(Action(rank, Kind.F, f))
+            # F(rank, i) is done: i < f and the rank is free.
+            elif i < f and (rank == last or i_done[rank + 1][i] <= now):
+                next_i[rank], i_done[rank][i] = i + 1, now + 1
+                schedule[rank].append(Action(rank, Kind.I, i))
+            elif w < i:
+                next_w[rank] = w + 1
+                finished += w + 1 == m
+                schedule[rank].append(Action(rank, Kind.W, w))
+            else:
+                continue
+            free_at[rank] = now + 1
+        if finished == pp:
             return schedule
     raise RuntimeError(f"zero-bubble list scheduling did not finish for {layout.describe()}")
 
