@@ -46,7 +46,9 @@ ETJ = create_namespaced_resource("tidal.dev", "v1alpha1", "ElasticTrainingJob",
                                  "elastictrainingjobs")
 NS, JOB = "default", "tiny"
 GPUS = 3  # the job starts at 2 workers: one GPU idle, so it grows to 3
-VARIABLES = {"$namespace": NS, "$job": JOB, "$__rate_interval": "5s", "$__interval": "2s"}
+# Grafana's $__rate_interval is at least 4 scrape intervals; 10 s (10 scrapes) leaves room for
+# scrapes a loaded machine misses, so that an increase still has two samples to show in.
+VARIABLES = {"$namespace": NS, "$job": JOB, "$__rate_interval": "10s", "$__interval": "2s"}
 PREREQUISITES = [  # what the chart installs besides the operator
     {"apiVersion": "v1", "kind": "ServiceAccount",
      "metadata": {"name": "tidal-worker", "namespace": NS}},
@@ -226,7 +228,7 @@ def test_every_dashboard_query_returns_data_from_an_elastic_run(tmp_path):
                 return status.get("generation") == 1 and len(status.get("members", ())) == GPUS
 
             wait_for("the job to grow to 3 workers", grown, 180)
-            time.sleep(6)  # scrapes after the switch, beyond one rate interval
+            time.sleep(11)  # scrapes after the switch, beyond one rate interval
             pods.poll()
             end = time.time()
 
