@@ -140,24 +140,28 @@ def test_demo_grows_and_shrinks_through_the_operator_bitwise_as_a_static_run(tmp
     shrunk = [c for c in result["reconfigurations"] if c["workers"][1] < c["workers"][0]]
     assert grown and shrunk, result["reconfigurations"]  # the agent applied both
 
-    # The status agrees with the agent's applied layout and with the pods, generation by
-    # generation: dp x pp is the member count in every sample; once a generation is applied
-    # and nothing else is asked, its members are exactly the job's Running worker pods (a
-    # released pod may run for a moment after the switch, so some sample, not every one).
-    applied = {}
+    # The status agrees with the agent's applied layout and with the pods. In every sample:
+    # dp x pp is the member count, every member has its pod, and no worker pod runs that is
+    # neither a member nor named by the target. A settled generation (its target applied,
+    # nothing else asked) runs exactly its members; on a loaded machine a generation may stay
+    # settled for less than a sample's period (the next decision comes within one operator
+    # round), so that is asked of one generation after the first, not of each.
+    generations, settled = set(), set()
     for status, pods in watcher.samples:
-        if "members" not in status:
-            continue
-        members, layout = status["members"], status["layout"]
-        assert layout["dp"] * layout["pp"] == len(members), status
+        if "members" not in status or status.get("step", 0) >= result["steps"]:
+            continue  # not started, or finished: the pods exit as the job ends
+        members, layout, target = status["members"], status["layout"], status["target"]
         generation = status["generation"]
-        settled = (status["target"]["generation"] == generation
-                   and sorted(p for p, phase in pods.items() if phase == "Running")
-                   == sorted(members))
-        applied[generation] = applied.get(generation, False) or settled
-    assert len(applied) >= 3, applied  # generation 0, a scale-up and a scale-down at least
-    unsettled = [g for g, ok in applied.items() if not ok]
-    assert unsettled in ([], [max(applied)]), applied  # the last may end with the job
+        generations.add(generation)
+        assert layout["dp"] * layout["pp"] == len(members), status
+        assert set(members) <= set(pods), (status, pods)
+        running = {p for p, phase in pods.items() if phase == "Running"}
+        named = set(members) | set(target.get("join", ())) | set(target.get("release", ()))
+        assert running <= named, (status, pods)
+        if target["generation"] == generation and running == set(members):
+            settled.add(generation)
+    assert len(generations) >= 3, generations  # generation 0, a scale-up and a scale-down
+    assert settled - {0}, (generations, settled)
 
 
 @pytest.mark.timeout(180)
