@@ -203,7 +203,7 @@ def _grow(job: ElasticJob, free: _FreeGPUs, arrivals: list[float], window: float
         reason=IDLE_GPUS, nodes=tuple(nodes), probability=probability, gain=gain,
         message=(
             f"{idle} GPUs idle and no GPU pod pending: {len(nodes)} new workers on {placed}, "
-            f"{gain:+.1%} tokens/s; P(idle window outlasts {overhead:g} s of "
+            f"{gain:+.1%} tokens/s; P(idle window outlasts {overhead:.3g} s of "
             f"switching) = {probability:.2f} > {job.probability_threshold:.2f} at "
             f"{rate * 3600:.2f} arrivals/h"
         ),
