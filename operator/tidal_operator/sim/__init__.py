@@ -1,0 +1,11 @@
+"""Trace-driven cluster simulator (issue 8): the operator's ``decide`` over a simulated clock.
+
+``trace`` loads a job trace and marks its elastic jobs by a stated rule; ``engine`` runs one
+policy over it and returns a report dict. Nothing here imports torch, kopf or tidal_agent.
+"""
+
+from tidal_operator.sim.engine import POLICIES, SimConfig, simulate
+from tidal_operator.sim.trace import TraceJob, default_nodes, load_trace, mark_elastic
+
+__all__ = ["POLICIES", "SimConfig", "TraceJob", "default_nodes", "load_trace", "mark_elastic",
+           "simulate"]

@@ -1,0 +1,72 @@
+"""Job traces (ITP CSVs: job_id, submission_time, duration, num_gpu) and the elastic-job rule.
+
+The rule, stated and reproducible: sort jobs by GPU-hours (ties: job_id), mark the largest
+elastic until their GPU-hours reach ``share`` of the trace's; jobs under 8 GPUs are never
+elastic (a FlexTrain worker is one 8-GPU node). An elastic job's FlexTrain size is Small
+up to 32 GPUs, Medium up to 128, Large above; its minimum is its requested GPUs.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceJob:
+    """One job of a trace; ``size`` is its FlexTrain configuration if elastic, else None."""
+
+    job_id: str
+    submit: float
+    duration: float
+    gpus: int
+    size: str | None = None
+
+    @property
+    def gpu_seconds(self) -> float:
+        return self.gpus * self.duration
+
+
+def load_trace(path: str | Path) -> list[TraceJob]:
+    """The trace's jobs with GPUs and a positive duration, by submission time then id."""
+    jobs = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            gpus, duration = int(row["num_gpu"]), float(row["duration"])
+            if gpus > 0 and duration > 0:
+                jobs.append(TraceJob(job_id=row["job_id"], submit=float(row["submission_time"]),
+                                     duration=duration, gpus=gpus))
+    return sorted(jobs, key=lambda j: (j.submit, j.job_id))
+
+
+def flextrain_size(gpus: int) -> str:
+    return "small" if gpus <= 32 else "medium" if gpus <= 128 else "large"
+
+
+def mark_elastic(jobs: list[TraceJob], share: float = 0.3) -> list[TraceJob]:
+    """``jobs`` with the largest by GPU-hours marked elastic up to ``share`` of them."""
+    total = sum(j.gpu_seconds for j in jobs)
+    chosen: set[str] = set()
+    taken = 0.0
+    for job in sorted(jobs, key=lambda j: (-j.gpu_seconds, j.job_id)):
+        if taken >= share * total:
+            break
+        if job.gpus >= GPUS_PER_NODE and job.gpus % GPUS_PER_NODE == 0:
+            chosen.add(job.job_id)
+            taken += job.gpu_seconds
+    return [replace(j, size=flextrain_size(j.gpus)) if j.job_id in chosen else j for j in jobs]
+
+
+def default_nodes(jobs: list[TraceJob], load: float = 0.8) -> int:
+    """Nodes of 8 GPUs such that the trace's mean GPU demand is ``load`` of the cluster,
+    and never fewer than twice the largest job needs (so that one can grow past another)."""
+    if not jobs:
+        return 1
+    span = max(j.submit + j.duration for j in jobs) - min(j.submit for j in jobs)
+    demand = sum(j.gpu_seconds for j in jobs) / max(span, 1.0)
+    gpus = max(demand / load, 2 * max(j.gpus for j in jobs))
+    return max(1, math.ceil(gpus / GPUS_PER_NODE))
