@@ -98,3 +98,24 @@ def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, 
     assert not sim.running and not sim.queue
     assert simulate(jobs, SimConfig(policy=policy, nodes=nodes, elastic=elastic,
                                     tick_seconds=300)) == first
+
+
+def test_sim_command_writes_the_report(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from tidal_operator.sim.cli import sim
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("job_id,submission_time,duration,num_gpu\n"
+                     "a,0,100000,8\nb,5000,100,8\nc,6000,50,1\n")
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(sim, ["--trace", str(trace), "--policy", "static,tidal",
+                                      "--share", "0.5", "--report", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["nodes"] == 2 and set(report["policies"]) == {"static", "tidal"}
+    assert report["policies"]["tidal"]["jct_speedup"] > 1.0
+    assert report["policies"]["tidal"]["queue_ratio"] <= 1.0
+    assert CliRunner().invoke(sim, ["--trace", str(trace), "--policy", "fast"]).exit_code == 2
