@@ -9,10 +9,10 @@ that slow drift of the machine's load falls on all of them alike; a candidate's 
 is the median over all its timed steps.
 
 The predictor models a host whose cores are the job's alone; other processes on a shared host
-slow the runs down (and the profile's run too) by as much as twice. So before the profile and
-before every candidate run the benchmark waits, up to ``--quiet-wait`` seconds, for the other
-processes to leave the cores idle, and reports for each run how many cores they kept busy
-meanwhile (``outside_cores``, from /proc/stat less this benchmark's own processes).
+slow the runs down (and the profile's run too) by as much as twice. So before every candidate
+run the benchmark waits, up to ``--quiet-wait`` seconds (three times that before the profile),
+for the other processes to leave the cores idle, and reports for each run how many cores they
+kept busy meanwhile (``outside_cores``, from /proc/stat less this benchmark's own processes).
 
 Prints a per-layout table on stderr and JSON on stdout: per candidate the predicted and
 measured seconds and the error |pred - meas| / meas; ``median_abs_error``, ``max_abs_error``
@@ -20,7 +20,7 @@ and ``choice_gap``: per worker count, measured(lowest predicted) / measured(lowe
 - 1, the worst over worker counts.
 
     python bench/predictor.py [--job examples/tiny.yaml] [--steps 8] [--rounds 3]
-                              [--quiet-wait 20] [--json FILE]
+                              [--quiet-wait 20] [--json FILE] [--profile-out FILE]
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ def main() -> None:
                         help="seconds to wait before each run for other processes to go idle")
     parser.add_argument("--tiny", action="store_true", help="three layouts, few steps")
     parser.add_argument("--json", type=Path, help="also write the JSON report here")
+    parser.add_argument("--profile-out", type=Path, help="keep the profile it took here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.tiny:
@@ -171,10 +172,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         profile_path = Path(tmp) / "profile.json"
         print(f"profiling {base.describe()}...", file=sys.stderr, flush=True)
-        wait_until_quiet(args.quiet_wait)
+        wait_until_quiet(3 * args.quiet_wait)  # a profile taken under load misprices all
         _, profile_outside = outside_load(
             lambda: run_local(base_job, base, steps=5, profile_out=profile_path))
         profile_doc = json.loads(profile_path.read_text())
+    if args.profile_out:
+        args.profile_out.write_text(json.dumps(profile_doc, indent=2) + "\n")
     profile = Profile.from_dict(profile_doc)
     seq_len = base_job.spec.model.seq_len
 

@@ -402,25 +402,25 @@ _MESSAGE_TAG = 5_000_000  # above the step's tags and the ping-pong's
 def time_messages(trainer: Trainer, repeats: int = 20, busy_s: float = 0.002) -> dict:
     """What an activation-sized message costs between pipeline neighbours, both orders.
 
-    Pairs (r, r + 1) of each replica's pipeline take turns, like ``profile_p2p``, and time
-    what a pipeline does: the sender computes, posts the SEND and computes on.
+    Pairs (r, r + 1) of each replica's pipeline take turns, like ``profile_p2p``:
 
-    - ``latency_s``: the RECV posted first, the receiver asleep in it: the seconds from the
-      SEND's posting to the data (the receiver's wait, less the sender's ``busy_s`` of
-      compute before it and a go-ahead message's way, half a ping-pong);
-    - ``rendezvous_s``: the RECV posted after the SEND, as when the receiver lags behind
-      (gloo then sends only once the receiver's notice is answered): the seconds from the
-      receiver's posting, ``busy_s`` after the sender's, to the data;
-    - ``cpu_s``: the process CPU seconds (every thread: the transport's too) one end of a
-      message costs, from a ping-pong, on average over both ends.
+    - ``latency_s``: half a ping-pong's round trip; each leg's RECV is posted first and its
+      receiver sleeps in it until the data comes;
+    - ``cpu_s``: the process CPU seconds (every thread: the transport's too) one end of those
+      messages costs, on average over both ends;
+    - ``rendezvous_s``: the RECV posted after the SEND, which gloo answers only once the
+      receiver's notice reaches the sender's side. Timed as a pipeline streams: the sender
+      computes ``busy_s`` and posts, ``repeats`` times; the receiver computes ``1.5 busy_s``
+      before each RECV, lagging ever more behind; the seconds from each posting to the data.
 
-    The delays are a mix of quick answers and waits for a core, and a pipeline adds them up:
-    each is the mean of ``repeats`` tries, less the largest and smallest tenth (other load on
-    the host). Every rank calls it; the values are None on ranks that measured none of them.
+    Each is the median of ``repeats`` tries: other load on the host stretches some of them a
+    lot, and what the running pipeline adds to the delays is measured apart (the predictor
+    scales them to the profiled steps). Every rank calls it; the values are None on ranks that
+    measured none of them.
     """
     buf = torch.zeros(trainer.runtime.activation_shape, device=trainer.device)
-    go = torch.zeros(1, device=trainer.device)
-    pingpong, cpu, waited, rendezvous = [], [], [], []
+    bufs = [torch.zeros_like(buf) for _ in range(repeats)]
+    latency, cpu, rendezvous = [], [], []
     layout, me, world = trainer.layout, trainer.pp_rank, trainer.world
     for first in range(layout.pp - 1):
         if me not in (first, first + 1):
@@ -438,34 +438,29 @@ def time_messages(trainer: Trainer, repeats: int = 20, busy_s: float = 0.002) ->
                 world.recv(buf, peer, out).wait()
                 world.send(buf, peer, back).wait()
             if i:
-                pingpong.append((time.perf_counter() - started) / 2)
+                latency.append((time.perf_counter() - started) / 2)
                 cpu.append((time.process_time() - cpu_started) / 2)
-        for late in (False, True):
-            for _ in range(repeats):
-                ahead, data = next(tags), next(tags)
-                if sender:
-                    world.recv(go, peer, ahead).wait()
-                    _compute(busy_s)
-                    work = world.send(buf, peer, data)
-                    _compute(2 * busy_s)
-                    work.wait()
-                    continue
-                world.send(go, peer, ahead).wait()
-                if late:
-                    _compute(2 * busy_s)
+        stream = [next(tags) for _ in range(repeats)]
+        if sender:
+            works = []
+            for tag in stream:
+                _compute(busy_s)
+                works.append(world.send(buf, peer, tag))
+            for work in works:
+                work.wait()
+        else:
+            for tag, into in zip(stream, bufs, strict=True):
+                _compute(1.5 * busy_s)
                 started = time.perf_counter()
-                world.recv(buf, peer, data).wait()
-                (rendezvous if late else waited).append(time.perf_counter() - started)
+                world.recv(into, peer, tag).wait()
+                rendezvous.append(time.perf_counter() - started)
     world.barrier()
 
-    def mean(values: list[float]) -> float | None:
-        cut = len(values) // 10
-        return statistics.fmean(sorted(values)[cut:len(values) - cut]) if values else None
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
 
-    latency = None
-    if waited:
-        latency = max(mean(pingpong), mean(waited) - busy_s - mean(pingpong))
-    return {"latency_s": latency, "cpu_s": mean(cpu), "rendezvous_s": mean(rendezvous)}
+    return {"latency_s": median(latency), "cpu_s": median(cpu),
+            "rendezvous_s": median(rendezvous)}
 
 
 def _compute(seconds: float) -> None:

@@ -17,7 +17,9 @@ any other layout of the same model on the same machine. What it holds and how it
 - what a message between pipeline neighbours costs, timed in the profiled world: its latency
   when the receiver already waits (half a ping-pong), its delay when the RECV is posted after
   the SEND (``rendezvous_s``), and the CPU seconds each end costs its process, the transport's
-  threads included (``message_work_s``);
+  threads included (``message_work_s``). Two ranks doing nothing else time the delays shorter
+  than a running pipeline sees them, so both are stretched by one factor (at least 1) with
+  which the dry run of the profiled layout takes as long as its plain profiled steps did;
 - the step's two all-reduces (gradient norms and step loss), timed in the profiled world.
 
 A stage action costs its kind's overhead plus its units' costs, times ``in_run``; posting
@@ -31,10 +33,11 @@ part (``(W - 1) / (W_profiled - 1)``, the steps of a ring).
 Why those message costs: gloo sends a message only once the receiver has posted its RECV. A
 receiver that lags behind its sender (GPipe's forwards, any rank slower than the one before
 it) posts after the SEND, and the data then waits for the sender's side to answer, about a
-millisecond and a half on a small shared host against a tenth for a receiver that waits. The
-transport's threads burn a few hundred microseconds of CPU per message, nothing where cores
-are idle but a real share of two cores under four ranks. The calibration ran on every rank of
-the profiled world at once; its costs are divided by that world's oversubscription.
+millisecond or more on a small shared host against a few tenths for a receiver that waits
+(traced in the runtime's own steps). The transport's threads burn CPU for every message,
+nothing where cores are idle but a share of two cores under four ranks. The calibration ran
+on every rank of the profiled world at once; its costs are divided by that world's
+oversubscription.
 
 Not modelled: other load on the host (the profile should be taken, and the layouts run, on a
 quiet one) and the scheduler's time slices, which the processor sharing only averages.
@@ -148,10 +151,45 @@ class Profile:
             raise ProfileError(f"profile lacks {err}: write it with tidal run --profile") from None
         # The posting of a SEND and a RECV counts on the compute beside it already.
         posting = sum(calibration.send_s.values()) + sum(calibration.recv_s.values())
-        return dataclasses.replace(
+        profile = dataclasses.replace(
             profile, calibration=calibration,
             message_work_s=max(0.0, profile.message_work_s - posting / 4),
         )
+        return _in_pipeline(profile, data)
+
+
+def _in_pipeline(profile: Profile, data: dict[str, Any], most: float = 50.0) -> Profile:
+    """The profile with its message delays as long as the profiled pipeline saw them.
+
+    The delays were timed between two ranks doing nothing else; in the running pipeline the
+    threads that must wake up for a message compete with compute, and wait longer. One factor
+    (at least 1, at most ``most``) stretches both delays so that the dry run of the profiled
+    layout takes as long as its plain profiled steps' pipeline did (the slowest rank's median).
+    """
+    parts = data.get("step_parts") or {}
+    if "layout" not in data or not parts:
+        return profile
+    layout = Layout(**data["layout"])
+    if layout.pp == 1:
+        return profile
+    measured = max(part["pipeline_s"] for part in parts.values())
+
+    def stretched(factor: float) -> Profile:
+        return dataclasses.replace(profile, p2p_seconds=factor * profile.p2p_seconds,
+                                   rendezvous_s=factor * profile.rendezvous_s)
+
+    def makespan(factor: float) -> float:
+        return _dry_run(stretched(factor), layout).makespan
+
+    low, high = 1.0, most
+    if makespan(low) >= measured:
+        return profile
+    if makespan(high) <= measured:
+        return stretched(high)
+    for _ in range(30):  # bisection: the makespan grows with the delays
+        mid = (low + high) / 2
+        low, high = (mid, high) if makespan(mid) < measured else (low, mid)
+    return stretched((low + high) / 2)
 
 
 def _calibration(data: dict[str, Any], num_units: int) -> Calibration:

@@ -54,8 +54,8 @@ def test_profile_errors():
 KINDS = ("forward", "backward", "input_grad", "weight_grad", "post")
 
 
-def _calibrated(*, cores=0, actions=None, messages=None, overhead=0.0, world_size=2,
-                collectives=0.0):
+def _calibrated(*, cores=0, actions=None, messages=None, step_parts=None, overhead=0.0,
+                world_size=2, collectives=0.0):
     """Four units: F = 1 + 1/sample, B = 2 + 2/sample, I = W = 1 + 1/sample, post 0.5."""
     unit = {
         "forward": {"fixed_s": 1.0, "per_sample_s": 1.0},
@@ -81,6 +81,8 @@ def _calibrated(*, cores=0, actions=None, messages=None, overhead=0.0, world_siz
     if actions is not None:
         data["actions_s"] = actions
     data.update(messages or {})
+    if step_parts is not None:
+        data["step_parts"] = step_parts
     return Profile.from_dict(data)
 
 
@@ -127,6 +129,21 @@ def test_message_costs_come_from_the_profile():
     assert (slow.p2p_seconds, slow.rendezvous_s, slow.message_work_s) == (0.5, 2.0, 0.25)
     assert (predict_profiled(slow, layout, 16).pipeline_seconds
             > predict_profiled(quiet, layout, 16).pipeline_seconds + 2 * 0.5)
+
+
+def test_message_delays_stretch_to_the_profiled_pipeline():
+    layout = build_layout(num_units=4, workers=2, micro_batch_size=2, num_micro_batches=4)
+    messages = {"message_latency_s": 0.5, "rendezvous_s": 1.0}
+    timed = predict_profiled(_calibrated(messages=messages), layout, 16).pipeline_seconds
+    # A profiled pipeline no slower than the dry run keeps the timed delays.
+    same = _calibrated(messages=messages, step_parts={"0": {"pipeline_s": timed - 1.0}})
+    assert (same.p2p_seconds, same.rendezvous_s) == (0.5, 1.0)
+    # A slower one stretches both by one factor, until the dry run takes as long.
+    slow = _calibrated(messages=messages, step_parts={"0": {"pipeline_s": timed + 3.0},
+                                                      "1": {"pipeline_s": timed}})
+    assert slow.p2p_seconds > 0.5
+    assert slow.rendezvous_s == pytest.approx(2 * slow.p2p_seconds)
+    assert predict_profiled(slow, layout, 16).pipeline_seconds == pytest.approx(timed + 3.0)
 
 
 def test_more_busy_ranks_than_cores_share_them():
