@@ -45,7 +45,7 @@ DASHBOARD = ROOT / "charts" / "tidal" / "dashboards" / "tidal.json"
 ETJ = create_namespaced_resource("tidal.dev", "v1alpha1", "ElasticTrainingJob",
                                  "elastictrainingjobs")
 NS, JOB = "default", "tiny"
-GPUS = 3  # the job starts at 2 workers: one GPU idle, so it grows to 3
+GPUS = 3  # the job runs at 2 workers until a third GPU comes, then grows to 3
 # Grafana's $__rate_interval is at least 4 scrape intervals; 10 s (10 scrapes) leaves room for
 # scrapes a loaded machine misses, so that an increase still has two samples to show in.
 VARIABLES = {"$namespace": NS, "$job": JOB, "$__rate_interval": "10s", "$__interval": "2s"}
@@ -206,7 +206,7 @@ def test_every_dashboard_query_returns_data_from_an_elastic_run(tmp_path):
         for obj in [*load_manifests([ROOT / "crds" / "elastictrainingjobs.tidal.dev.yaml"]),
                     *PREREQUISITES]:
             emu.call(emu.emulator.create, obj)
-        localcluster.register_nodes(emu.url, count=1, gpus_per_node=GPUS)
+        localcluster.register_nodes(emu.url, count=1, gpus_per_node=GPUS - 1)
         scheduler = emu.submit(localcluster.run(emu.url, interval_s=0.1))
         operator_port = free_port()
         with (tmp_path / "operator.log").open("w") as log:
@@ -220,7 +220,20 @@ def test_every_dashboard_query_returns_data_from_an_elastic_run(tmp_path):
             prometheus = Prometheus(tmp_path, {"tidal-operator": [operator_port],
                                                "tidal-agents": list(pods.metrics_ports.values())})
             started = time.time()
+            values = lambda expr: finite(  # noqa: E731
+                prometheus.range(substitute(expr), started, time.time()))
             api.create(ETJ(doc))
+
+            # Prometheus must hold the job's decision counter at 0 before the decision: a counter
+            # first scraped at 1 shows no increase (Prometheus 2.x takes no created timestamp).
+            # So the job trains at 2 workers until then, and only then does a GPU come free.
+            def before_the_gpu():
+                pods.poll()
+                return (set(values('tidal_job_decisions_total{job="$job", kind="scale_up"}')) == {0}
+                        and 2 in values('tidal_agent_pp{job="$job"}'))
+
+            wait_for("Prometheus to scrape the job at 2 workers", before_the_gpu, 120)
+            localcluster.register_nodes(emu.url, count=1, gpus_per_node=1, prefix="freed")
 
             def grown():
                 pods.poll()
@@ -238,7 +251,6 @@ def test_every_dashboard_query_returns_data_from_an_elastic_run(tmp_path):
                 assert finite(result), f"{where}: {query} returned no number: {result}"
 
             # The panels show the run as it was: 2 then 3 workers, one scale-up, one switch.
-            values = lambda expr: finite(prometheus.range(substitute(expr), started, end))  # noqa: E731
             assert set(values('tidal_job_workers{job="$job"}')) >= {2, 3}
             assert set(values('tidal_agent_pp{job="$job"}')) == {2, 3}
             assert max(values('tidal_job_decisions_total{job="$job", kind="scale_up"}')) == 1
