@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/predictor.py
 	$(BIN)/python bench/planner.py
 	$(BIN)/python bench/decide.py
+	$(BIN)/python bench/sim.py
 
 clean:
 	rm -rf $(VENV) runs

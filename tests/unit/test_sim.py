@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal_operator.sim import SimConfig, TraceJob, default_nodes, mark_elastic, simulate
-from tidal_operator.sim.engine import GPUS_PER_NODE, Simulation, compare
+from tidal_operator.sim.engine import (
+    GPUS_PER_NODE, Simulation, compare, job_table, load_tables,
+)
 
 
 def job(i: int, submit: float, duration: float, gpus: int, size: str | None = None) -> TraceJob:
@@ -35,18 +39,30 @@ def test_static_elastic_job_runs_its_duration_at_the_minimum():
 
 
 def test_tidal_grows_into_idle_gpus_and_pays_the_hot_switch():
-    report = simulate([job(0, 0, 10000, 32, "small")], SimConfig(policy="tidal", nodes=8))
+    report = simulate([job(0, 0, 10000, 32, "small")],
+                      SimConfig(policy="tidal", nodes=8, jitter=0.0))
     assert report["scale_ups"] == 1
     assert report["switch_seconds"] == 2.0
     # the small PP table as it is: 4 -> 7 workers at once, 1.97x
     assert 2.0 + 10000 / 1.98 < report["elastic_jct_mean_s"] < 2.0 + 10000 / 1.96
 
 
-def test_arrival_makes_tidal_shrink_and_starts_at_once():
+def test_job_table_follows_the_scale_factor_conservatively():
+    small = load_tables(SimConfig(policy="tidal", nodes=1))["small"]  # 4..7 workers: 1, 1.14,
+    one = job_table(small, 1)  # 1.59, 1.97; a 1-worker job at 2 workers has factor 2 >= 7/4
+    assert [(r.workers, r.speedup) for r in one.rows] == [(1, 1.0), (2, small.rows[-1].speedup)]
+    eight = job_table(small, 8)  # factor 10/8 = 5/4 at 10 workers, 12/8 = 6/4 at 12, 14/8 at 14
+    assert [(r.workers, r.speedup) for r in eight.rows] == [
+        (8, 1.0), (10, small.rows[1].speedup), (12, small.rows[2].speedup),
+        (14, small.rows[3].speedup)]
+    assert eight.max_workers == 14
+
+
+def test_arrival_makes_tidal_shrink_and_waits_for_the_drain():
     jobs = [job(0, 0, 100000, 8, "small"), job(1, 5000, 100, 8)]
-    report = simulate(jobs, SimConfig(policy="tidal", nodes=2))
+    report = simulate(jobs, SimConfig(policy="tidal", nodes=2, jitter=0.0))
     assert report["scale_ups"] == 2 and report["scale_downs"] == 1  # grows back after
-    assert report["queue_mean_s"] == 0.0
+    assert report["queue_mean_s"] == 2.0  # the released worker hands its state over first
     static = simulate(jobs, SimConfig(policy="static", nodes=2))
     assert static["queue_mean_s"] == 0.0
     assert report["elastic_jct_mean_s"] < static["elastic_jct_mean_s"]
@@ -54,16 +70,31 @@ def test_arrival_makes_tidal_shrink_and_starts_at_once():
 
 def test_flextrain_restarts_cost_more_than_hot_switches():
     jobs = [job(0, 0, 100000, 16, "small"), job(1, 5000, 100, 8), job(2, 20000, 100, 8)]
-    runs = compare(jobs, nodes=6, policies=("flextrain", "tidal"))
-    assert runs["flextrain"]["switch_seconds"] > runs["tidal"]["switch_seconds"] > 0
-    assert runs["tidal"]["jct_speedup"] > runs["flextrain"]["jct_speedup"] > 1.0
+    runs = compare(jobs, nodes=4, policies=("flextrain", "tidal"))  # grows to all 4
+    flextrain, tidal = runs["flextrain"].report, runs["tidal"].report
+    assert flextrain["switch_seconds"] > tidal["switch_seconds"] > 0
+    assert tidal["jct_speedup"] > flextrain["jct_speedup"] > 1.0
+    assert tidal["queue_mean_s"] < flextrain["queue_mean_s"]  # a restart drains for longer
+
+
+def test_same_seed_same_report_and_the_seed_spreads_the_pauses():
+    jobs = [job(0, 0, 100000, 16, "small"), *(job(i, 3000 * i, 500, 8) for i in range(1, 12))]
+    config = SimConfig(policy="tidal", nodes=4, seed=7)
+    first = simulate(jobs, config)
+    assert simulate(jobs, config) == first
+    other = simulate(jobs, replace(config, seed=8))
+    assert other["scale_ups"] == first["scale_ups"] > 1
+    assert other["switch_seconds"] != first["switch_seconds"]
 
 
 def test_elastic_rule_takes_the_largest_by_gpu_hours():
     jobs = [job(0, 0, 100, 64), job(1, 0, 1000, 8), job(2, 0, 10, 4), job(3, 0, 100, 16)]
     marked = {j.job_id: j.size for j in mark_elastic(jobs, share=0.5)}
     assert marked == {"j000": "medium", "j001": "small", "j002": None, "j003": None}
-    assert default_nodes(jobs) == 16  # twice the 64-GPU job
+    assert default_nodes(jobs) == 32  # four times the 64-GPU job: its elastic range
+    assert default_nodes(mark_elastic(jobs[1:], share=0.5)) == 4  # four times the elastic 8
+    busy = [job(0, 0, 1000, 8), job(1, 0, 1000, 64)]  # 72 GPUs in use for the whole span
+    assert default_nodes(busy, load=0.5, reach=1) == 18  # 144 GPUs
 
 
 _traces = st.lists(
@@ -84,13 +115,14 @@ def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, 
                                      tick_seconds=300))
 
     def check(s: Simulation) -> None:
-        assert all(f >= 0 for f in s.free.values())
+        assert all(0 <= f <= GPUS_PER_NODE for f in s.free.values())
         held = sum(p.gpus for j in s.running.values() for p in j.pods)
-        assert held + sum(s.free.values()) == GPUS_PER_NODE * nodes
+        assert held == s.held and held + sum(s.free.values()) == GPUS_PER_NODE * nodes
         for j in s.running.values():
             if j.spec is not None:
                 assert j.spec.min_workers <= j.spec.workers <= j.spec.cap
-                assert len(j.pods) == j.spec.workers
+                assert len(j.spec.members) == j.spec.workers  # and pods draining, if any
+                assert {p.key for p in j.pods} == {*j.spec.members, *j.spec.releasing}
 
     sim.checks.append(check)
     first = sim.run()
@@ -111,11 +143,17 @@ def test_sim_command_writes_the_report(tmp_path):
     trace.write_text("job_id,submission_time,duration,num_gpu\n"
                      "a,0,100000,8\nb,5000,100,8\nc,6000,50,1\n")
     out = tmp_path / "r.json"
-    result = CliRunner().invoke(sim, ["--trace", str(trace), "--policy", "static,tidal",
-                                      "--share", "0.5", "--report", str(out)])
+    result = CliRunner().invoke(sim, ["--trace", str(trace), "--policy", "tidal", "--share",
+                                      "0.5", "--nodes", "2", "--report", str(out),
+                                      "--plots", str(tmp_path)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["nodes"] == 2 and set(report["policies"]) == {"static", "tidal"}
     assert report["policies"]["tidal"]["jct_speedup"] > 1.0
-    assert report["policies"]["tidal"]["queue_ratio"] <= 1.0
+    # b waits for a's drain (static: no wait), so there is no finite queue ratio
+    assert report["policies"]["tidal"]["queue_mean_s"] > 0
+    assert report["policies"]["tidal"]["queue_ratio"] is None
+    assert "n/a" in result.output
+    for name in ("normalised", "queue_cdf", "gpus"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert CliRunner().invoke(sim, ["--trace", str(trace), "--policy", "fast"]).exit_code == 2

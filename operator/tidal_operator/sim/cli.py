@@ -10,10 +10,14 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tidal_operator.sim.engine import POLICIES, compare
-from tidal_operator.sim.trace import default_nodes, load_trace, mark_elastic
+from tidal_operator.sim.engine import POLICIES, Outcome, compare
+from tidal_operator.sim.plots import write_plots
+from tidal_operator.sim.trace import (
+    DEFAULT_LOAD, DEFAULT_SHARE, GPUS_PER_NODE, default_nodes, load_trace, mark_elastic,
+)
 
 _COLUMNS = (
     ("jct_speedup", "JCT speedup", "{:.2f}x"), ("queue_ratio", "queue ratio", "{:.2f}x"),
@@ -32,44 +36,86 @@ def _policies(ctx, param, value: str) -> tuple[str, ...]:
     return names
 
 
+def elastic_rule(share: float) -> str:
+    return (f"largest jobs by GPU-hours up to {share:.0%} of the trace's, multiples of 8 GPUs "
+            f"only; FlexTrain small <= 32 GPUs, medium <= 128, large above; minimum = requested "
+            f"GPUs; speedup at w workers = the table's at the largest scale factor <= w / minimum")
+
+
+def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
+              share: float = DEFAULT_SHARE, load: float = DEFAULT_LOAD, nodes: int | None = None,
+              seed: int = 0, console: Console | None = None) -> tuple[dict, dict[str, Outcome]]:
+    """Simulate ``policies`` (and static) over one trace with a progress bar per policy;
+    the JSON report and each policy's :class:`Outcome`."""
+    jobs = mark_elastic(load_trace(trace_path), share=share)
+    if not jobs:
+        raise click.ClickException(f"{trace_path} has no job with GPUs and a duration")
+    nodes = nodes or default_nodes(jobs, load=load)
+    names = list(dict.fromkeys(("static", *policies)))
+    with Progress(TextColumn("{task.description:>24}"), BarColumn(), TaskProgressColumn(),
+                  TimeElapsedColumn(), console=console or Console(stderr=True),
+                  transient=True) as progress:
+        bars = {n: progress.add_task(f"{trace_path.stem} {n} ({elastic})", total=1.0)
+                for n in names}
+        try:
+            runs = compare(jobs, nodes, policies=policies, elastic=elastic, seed=seed,
+                           progress=lambda n, f: progress.update(bars[n], completed=f))
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+    report = {
+        "trace": str(trace_path), "nodes": nodes, "gpus_per_node": GPUS_PER_NODE,
+        "gpus": GPUS_PER_NODE * nodes,
+        "elastic": elastic, "seed": seed, "share": share, "load": load,
+        "jobs": len(jobs), "elastic_jobs": sum(1 for j in jobs if j.size),
+        "elastic_rule": elastic_rule(share),
+        "policies": {n: r.report for n, r in runs.items()},
+    }
+    return report, runs
+
+
+def print_table(report: dict, console: Console) -> None:
+    table = Table(title=f"{Path(report['trace']).name}: {report['nodes']} nodes x "
+                        f"{report['gpus_per_node']} GPUs, {report['elastic_jobs']} of "
+                        f"{report['jobs']} jobs elastic ({report['elastic']})")
+    table.add_column("policy")
+    for _, title, _ in _COLUMNS:
+        table.add_column(title, justify="right")
+    for name, run in report["policies"].items():
+        table.add_row(name, *("n/a" if run[key] is None else fmt.format(run[key])
+                              for key, _, fmt in _COLUMNS))
+    console.print(table)
+
+
 @click.command()
 @click.option("--trace", "trace_path", required=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Job trace CSV: job_id, submission_time, duration, num_gpu.")
 @click.option("--policy", "policies", default=",".join(POLICIES), show_default=True,
-              callback=_policies, help="Comma-separated policies to simulate.")
+              callback=_policies, help="Comma-separated policies to simulate (static, the "
+                                       "baseline, always runs).")
 @click.option("--elastic", type=click.Choice(["pp", "dp-pp"]), default="pp", show_default=True,
               help="Which FlexTrain scale tables the elastic jobs use.")
-@click.option("--share", type=click.FloatRange(0, 1), default=0.3, show_default=True,
+@click.option("--share", type=click.FloatRange(0, 1), default=DEFAULT_SHARE, show_default=True,
               help="Elastic jobs: the largest by GPU-hours up to this share of the trace's.")
+@click.option("--load", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_LOAD,
+              show_default=True, help="The default cluster's mean load (see --nodes).")
 @click.option("--nodes", type=click.IntRange(min=1), default=None,
-              help="8-GPU nodes [default: mean demand at 80% load, at least twice the "
-                   "largest job].")
+              help="8-GPU nodes [default: the trace's mean GPU demand at --load, at least "
+                   "twice the largest job].")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seeds the spread of switch pauses; the same seed gives the same report.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the JSON report here.")
-def sim(trace_path, policies, elastic, share, nodes, report_path) -> None:
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write PNGs here: normalised JCT and queue time, queue-time CDF, GPUs.")
+def sim(trace_path, policies, elastic, share, load, nodes, seed, report_path,
+        plots_dir) -> None:
     """Simulate the scaling policies over a job trace on a simulated clock."""
-    console = Console(stderr=True)
-    jobs = mark_elastic(load_trace(trace_path), share=share)
-    nodes = nodes or default_nodes(jobs)
-    with console.status(f"simulating {len(jobs)} jobs on {nodes} nodes: "
-                        f"{', '.join(policies)} ({elastic})"):
-        runs = compare(jobs, nodes, policies=policies, elastic=elastic)
-    table = Table(title=f"{trace_path.name}: {nodes} nodes x 8 GPUs, "
-                        f"{sum(1 for j in jobs if j.size)} elastic jobs ({elastic})")
-    table.add_column("policy")
-    for _, title, _ in _COLUMNS:
-        table.add_column(title, justify="right")
-    for name, run in runs.items():
-        table.add_row(name, *(fmt.format(run[key]) for key, _, fmt in _COLUMNS))
-    Console().print(table)
+    report, runs = run_trace(trace_path, policies=policies, elastic=elastic, share=share,
+                             load=load, nodes=nodes, seed=seed)
+    print_table(report, Console())
     if report_path is not None:
-        report = {
-            "trace": str(trace_path), "nodes": nodes, "gpus_per_node": 8,
-            "gpus": 8 * nodes, "elastic": elastic,
-            "elastic_rule": (f"largest jobs by GPU-hours up to {share:.0%} of the trace's, "
-                             "multiples of 8 GPUs only; FlexTrain small <= 32 GPUs, "
-                             "medium <= 128, large above; minimum = requested GPUs"),
-            "policies": runs,
-        }
-        report_path.write_text(json.dumps(report, indent=2) + "\n")
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+        report_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    if plots_dir is not None:
+        write_plots(runs, report["gpus"], plots_dir, f"{trace_path.stem} ({elastic})")

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
+from collections.abc import Callable
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,6 +41,7 @@ from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
 POLICIES = ("static", "greedy", "flextrain", "tidal")
 HOT_SWITCH_SECONDS = {"small": 2.0, "medium": 4.0, "large": 8.0}
 RESTART_SECONDS = {"small": 60.0, "medium": 120.0, "large": 240.0}
+RESTART_SAVE_FRACTION = 0.5  # a restart frees the GPUs it gives up once its checkpoint is saved
 _TABLES = Path(__file__).resolve().parents[3] / "examples" / "scale-tables"
 
 
@@ -51,6 +54,8 @@ class SimConfig:
     elastic: str = "pp"
     tick_seconds: float = 600.0
     window_seconds: float = 28800.0
+    seed: int = 0
+    jitter: float = 0.25  # sigma of the lognormal spread of each switch's pause
     tables_dir: Path = _TABLES
 
     def __post_init__(self) -> None:
@@ -58,8 +63,8 @@ class SimConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         if self.elastic not in ("pp", "dp-pp"):
             raise ValueError(f"elastic must be pp or dp-pp, got {self.elastic!r}")
-        if self.nodes < 1 or self.tick_seconds <= 0:
-            raise ValueError("need nodes >= 1 and tick_seconds > 0")
+        if self.nodes < 1 or self.tick_seconds <= 0 or self.jitter < 0:
+            raise ValueError("need nodes >= 1, tick_seconds > 0 and jitter >= 0")
 
 
 def load_tables(config: SimConfig) -> dict[str, ScaleTable]:
@@ -69,19 +74,25 @@ def load_tables(config: SimConfig) -> dict[str, ScaleTable]:
 
 
 def job_table(table: ScaleTable, min_workers: int) -> ScaleTable:
-    """``table``'s speedups over a job whose minimum is ``min_workers`` 8-GPU workers: each
-    row's worker count scaled by ``min_workers / table.min_workers``, rounded up, and where
-    rows land on one count the smallest's speedup (the conservative one); tokens/s is the
-    speedup. Built unvalidated: decide reads only rows' workers and tokens/s."""
-    best: dict[int, float] = {}
-    for row in table.rows:
-        w = max(min_workers, math.ceil(row.workers * min_workers / table.min_workers))
-        best.setdefault(w, row.speedup)
+    """``table``'s speedup curve over a job whose minimum is ``min_workers`` 8-GPU workers.
+
+    The curve is a function of the scale factor (workers over the minimum), from 1 to the
+    table's ``max_workers / min_workers``: at ``w`` workers the job runs at the speedup of the
+    table's largest row whose factor is at most ``w / min_workers`` (conservative: never more
+    than the table shows for that many GPUs per minimum GPU). Rows that gain nothing over a
+    smaller count are left out; tokens/s is the speedup. Built unvalidated: ``decide`` reads
+    only rows' workers and tokens/s.
+    """
+    low = table.min_workers
+    cap = min_workers * table.max_workers // low
     rows, top = [], 0.0
-    for w in sorted(best):
-        if best[w] > top:
-            top = best[w]
-            rows.append(ScaleRow.model_construct(workers=w, tokens_per_second=top, speedup=top))
+    for w in range(min_workers, cap + 1):
+        # factor r.workers / low <= w / min_workers, in integers
+        speedup = max(r.speedup for r in table.rows if r.workers * min_workers <= w * low)
+        if speedup > top:
+            top = speedup
+            rows.append(ScaleRow.model_construct(workers=w, tokens_per_second=speedup,
+                                                 speedup=speedup))
     return ScaleTable.model_construct(job=table.job, min_workers=min_workers,
                                       max_workers=rows[-1].workers,
                                       gpus_per_worker=GPUS_PER_NODE, rows=tuple(rows))
@@ -110,23 +121,26 @@ class _Job:
         rest = g % GPUS_PER_NODE
         return [GPUS_PER_NODE] * (g // GPUS_PER_NODE) + ([rest] if rest else [])
 
-    def rate(self, now: float) -> float:
-        if self.paused_until > now:
-            return 0.0
-        return self.speed[self.spec.workers]
-
 
 class Simulation:
-    """The state of one run; :meth:`run` drives it to the last completion."""
+    """The state of one run; :meth:`run` drives it to the last completion.
 
-    def __init__(self, jobs: list[TraceJob], config: SimConfig) -> None:
+    ``progress``, if given, is called now and then with the fraction of jobs finished.
+    """
+
+    def __init__(self, jobs: list[TraceJob], config: SimConfig,
+                 progress: Callable[[float], None] | None = None) -> None:
         self.config = config
         self.free = {f"node-{i:04d}": GPUS_PER_NODE for i in range(config.nodes)}
         self.nodes = tuple(Node(n, GPUS_PER_NODE) for n in self.free)
-        too_big = [j.job_id for j in jobs if j.gpus > GPUS_PER_NODE * config.nodes]
+        self.capacity = GPUS_PER_NODE * config.nodes
+        too_big = [j.job_id for j in jobs if j.gpus > self.capacity]
         if too_big:
-            raise ValueError(f"jobs larger than the cluster ({config.nodes} nodes): {too_big[:3]}")
+            raise ValueError(f"jobs larger than the cluster ({config.nodes} nodes of "
+                             f"{GPUS_PER_NODE} GPUs): {', '.join(too_big[:3])}; give more --nodes")
         self.tables = load_tables(config) if any(j.size for j in jobs) else {}
+        self.rng = random.Random(config.seed)
+        self.progress = progress
         self.jobs = [_Job(j) for j in jobs]
         self.queue: list[_Job] = []
         self.running: dict[str, _Job] = {}
@@ -135,7 +149,10 @@ class Simulation:
         self.seq = 0
         self.now = 0.0
         self.last = 0.0
+        self.held = 0  # GPUs held by pods
         self.busy_gpu_seconds = 0.0
+        self.timeline: tuple[list[float], list[int]] = ([], [])  # (time, GPUs held) on change
+        self.finished = 0
         self.scale_ups = self.scale_downs = 0
         self.switch_seconds = 0.0
         self.checks: list = []  # callables(sim) run after every step (tests)
@@ -154,10 +171,10 @@ class Simulation:
         elastic = self.config.policy != "static" and any(j.trace.size for j in self.jobs)
         if elastic:
             self.push(self.now + self.config.tick_seconds, "tick")
+        steps = 0
         while self.events:
             at = self.events[0][0]
             self._advance(at)
-            acted = False
             while self.events and self.events[0][0] == at:
                 _, _, kind, key = heapq.heappop(self.events)
                 if kind == "arrive":
@@ -167,31 +184,41 @@ class Simulation:
                     if job is None or (job.spec is not None and job.end_at != at):
                         continue  # superseded by a switch
                     self._finish(job)
+                elif kind == "released" and key in self.running:
+                    self._released(self.running[key])
                 elif kind == "tick":
                     self.push(at + self.config.tick_seconds, "tick")
-                acted = True
-            if not acted:
-                continue
             self._start_fitting()
             if elastic:
                 self._apply(decide(self._snapshot(), self.now))
                 self._start_fitting()
             self._schedule_ends()
+            self._record()
             for check in self.checks:
                 check(self)
+            steps += 1
+            if self.progress is not None and steps % 512 == 0:
+                self.progress(self.finished / len(self.jobs))
             if not self.queue and not self.running and all(e[2] == "tick" for e in self.events):
                 break
+        if self.progress is not None:
+            self.progress(1.0)
         return self.report()
 
     def _advance(self, at: float) -> None:
         dt = at - self.last
         if dt > 0:
-            held = GPUS_PER_NODE * len(self.free) - sum(self.free.values())
-            self.busy_gpu_seconds += dt * held
+            self.busy_gpu_seconds += dt * self.held
             for job in self.running.values():
                 if job.spec is not None and job.paused_until <= self.last:
                     job.work -= dt * job.speed[job.spec.workers]
         self.now = self.last = at
+
+    def _record(self) -> None:
+        times, held = self.timeline
+        if not held or held[-1] != self.held:
+            times.append(self.now)
+            held.append(self.held)
 
     def _arrive(self, job: _Job) -> None:
         if job.trace.size is None:
@@ -201,9 +228,18 @@ class Simulation:
     def _finish(self, job: _Job) -> None:
         job.end = self.now
         for pod in job.pods:
-            self.free[pod.node] += pod.gpus
+            self._give(pod)
         job.pods = []
         del self.running[job.key]
+        self.finished += 1
+
+    def _take(self, pod: Pod) -> None:
+        self.free[pod.node] -= pod.gpus
+        self.held += pod.gpus
+
+    def _give(self, pod: Pod) -> None:
+        self.free[pod.node] += pod.gpus
+        self.held -= pod.gpus
 
     def _schedule_ends(self) -> None:
         for job in self.running.values():
@@ -232,8 +268,10 @@ class Simulation:
     def _start_fitting(self) -> None:
         waiting = []
         for job in self.queue:
-            sizes = job.pod_sizes()
-            nodes = self._place(sizes)
+            nodes = None
+            if job.trace.gpus <= self.capacity - self.held:  # else it cannot fit: skip the search
+                sizes = job.pod_sizes()
+                nodes = self._place(sizes)
             if nodes is None:
                 waiting.append(job)
                 continue
@@ -243,9 +281,10 @@ class Simulation:
     def _start(self, job: _Job, sizes: list[int], nodes: list[str]) -> None:
         job.start = self.now
         for i, (size, node) in enumerate(zip(sizes, nodes, strict=True)):
-            self.free[node] -= size
-            job.pods.append(Pod(f"{job.key}/{i}", size, node, "Running",
-                                job.key if job.trace.size else None, created=job.trace.submit))
+            pod = Pod(f"{job.key}/{i}", size, node, "Running",
+                      job.key if job.trace.size else None, created=job.trace.submit)
+            self._take(pod)
+            job.pods.append(pod)
         job.next_pod = len(sizes)
         self.running[job.key] = job
         if job.trace.size is None:
@@ -254,21 +293,21 @@ class Simulation:
         m = job.trace.gpus // GPUS_PER_NODE
         table = job_table(self.tables[job.trace.size], m)
         job.speed = {}
-        rows = list(table.rows)
         for w in range(m, table.max_workers + 1):
-            job.speed[w] = max(r.speedup for r in rows if r.workers <= w)
+            job.speed[w] = max(r.speedup for r in table.rows if r.workers <= w)
         job.work = job.trace.duration
-        policy = self.config.policy
-        hot = policy == "tidal"
-        overhead = (HOT_SWITCH_SECONDS if hot else RESTART_SECONDS)[job.trace.size]
-        greedy = policy == "greedy"
+        greedy = self.config.policy == "greedy"
         job.spec = ElasticJob(
             key=job.key, min_workers=m, max_workers=table.max_workers, workers=m,
             gpus_per_worker=GPUS_PER_NODE, members=tuple(p.key for p in job.pods),
-            scale_table=table, switch_seconds=overhead,
+            scale_table=table, switch_seconds=self._base_pause(job),
             probability_threshold=0.0 if greedy else 0.6,
             min_gain=0.0 if greedy else 0.05, cooldown_seconds=0.0 if greedy else 60.0,
         )
+
+    def _base_pause(self, job: _Job) -> float:
+        hot = self.config.policy == "tidal"
+        return (HOT_SWITCH_SECONDS if hot else RESTART_SECONDS)[job.trace.size]
 
     # --- the policy ---------------------------------------------------------------------
     def _snapshot(self) -> Snapshot:
@@ -290,11 +329,15 @@ class Simulation:
         for d in decisions:
             job = self.running[d.job]
             spec = job.spec
+            # The pause as measured: the base overhead, spread by a lognormal of the seed's.
+            pause = self._base_pause(job) * self.rng.lognormvariate(0.0, self.config.jitter)
+            releasing: tuple[str, ...] = ()
             if d.kind == "scale_up":
                 for node in d.nodes:
-                    self.free[node] -= GPUS_PER_NODE
-                    job.pods.append(Pod(f"{job.key}/{job.next_pod}", GPUS_PER_NODE, node,
-                                        "Running", job.key, created=self.now))
+                    pod = Pod(f"{job.key}/{job.next_pod}", GPUS_PER_NODE, node, "Running",
+                              job.key, created=self.now)
+                    self._take(pod)
+                    job.pods.append(pod)
                     job.next_pod += 1
                 to = d.to_workers
                 self.scale_ups += 1
@@ -307,36 +350,50 @@ class Simulation:
                         if len(release) >= spec.workers - to:
                             break
                         release.add(pod.key)
-                for pod in job.pods:
-                    if pod.key in release:
-                        self.free[pod.node] += pod.gpus
-                job.pods = [p for p in job.pods if p.key not in release]
+                # The released pods hold their GPUs until the drain ends (_released).
+                releasing = tuple(p.key for p in job.pods if p.key in release)
+                drain = pause if self.config.policy == "tidal" else RESTART_SAVE_FRACTION * pause
+                self.push(self.now + drain, "released", job.key)
                 self.scale_downs += 1
-            assert len(job.pods) == to, (d, len(job.pods))
-            job.paused_until = self.now + spec.switch_seconds
+            members = tuple(p.key for p in job.pods if p.key not in releasing)
+            assert len(members) == to, (d, members)
+            job.paused_until = self.now + pause
             self.push(job.paused_until, "resume", job.key)
-            self.switch_seconds += spec.switch_seconds
-            job.spec = replace(spec, workers=to, members=tuple(p.key for p in job.pods),
-                               last_scale_time=self.now)
+            self.switch_seconds += pause
+            job.spec = replace(spec, workers=to, members=members, releasing=releasing,
+                               last_scale_time=self.now, switch_seconds=pause)
+
+    def _released(self, job: _Job) -> None:
+        gone = set(job.spec.releasing)
+        for pod in job.pods:
+            if pod.key in gone:
+                self._give(pod)
+        job.pods = [p for p in job.pods if p.key not in gone]
+        job.spec = replace(job.spec, releasing=())
 
     # --- the report ---------------------------------------------------------------------
     def report(self) -> dict:
-        elastic = [j for j in self.jobs if j.trace.size]
-        rigid = [j for j in self.jobs if not j.trace.size]
-        jct = sorted(j.end - j.trace.submit for j in elastic)
-        queue = sorted(j.start - j.trace.submit for j in rigid)
+        jct, queue = self.jct_seconds(), self.queue_seconds()
         first = min((j.trace.submit for j in self.jobs), default=0.0)
         makespan = max(self.now - first, 1e-9)
         return {
-            "elastic_jobs": len(elastic), "non_elastic_jobs": len(rigid),
+            "elastic_jobs": len(jct), "non_elastic_jobs": len(queue),
             "elastic_jct_mean_s": fmean(jct) if jct else 0.0,
             "elastic_jct_p50_s": _quantile(jct, 0.5), "elastic_jct_p99_s": _quantile(jct, 0.99),
             "queue_mean_s": fmean(queue) if queue else 0.0,
             "queue_p99_s": _quantile(queue, 0.99),
-            "gpu_utilisation": self.busy_gpu_seconds / (makespan * GPUS_PER_NODE * len(self.free)),
+            "gpu_utilisation": self.busy_gpu_seconds / (makespan * self.capacity),
             "scale_ups": self.scale_ups, "scale_downs": self.scale_downs,
             "switch_seconds": self.switch_seconds, "makespan_s": makespan,
         }
+
+    def jct_seconds(self) -> list[float]:
+        """Elastic jobs' completion times (end less submission), sorted."""
+        return sorted(j.end - j.trace.submit for j in self.jobs if j.trace.size)
+
+    def queue_seconds(self) -> list[float]:
+        """Non-elastic jobs' queue times (start less submission), sorted."""
+        return sorted(j.start - j.trace.submit for j in self.jobs if not j.trace.size)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -351,18 +408,40 @@ def simulate(jobs: list[TraceJob], config: SimConfig) -> dict:
     return Simulation(jobs, config).run()
 
 
-def compare(jobs: list[TraceJob], nodes: int, policies=POLICIES, elastic: str = "pp") -> dict:
-    """Every policy over ``jobs``, with static's figures as the baseline of the ratios."""
-    runs = {p: simulate(jobs, SimConfig(policy=p, nodes=nodes, elastic=elastic))
-            for p in dict.fromkeys(("static", *policies))}
-    base = runs["static"]
-    out = {}
-    for p in policies:
-        r = dict(runs[p])
-        r["jct_speedup"] = base["elastic_jct_mean_s"] / r["elastic_jct_mean_s"] \
-            if r["elastic_jct_mean_s"] else 1.0
-        r["queue_ratio"] = r["queue_mean_s"] / base["queue_mean_s"] if base["queue_mean_s"] else \
-            (1.0 if r["queue_mean_s"] == 0 else math.inf)
-        out[p] = r
-    return out
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One policy's run: its report (with the ratios to static) and the series behind it."""
 
+    report: dict
+    jct_s: list[float]  # elastic jobs' completion times, sorted
+    queue_s: list[float]  # non-elastic jobs' queue times, sorted
+    timeline: tuple[list[float], list[int]]  # (time since the first submission, GPUs held)
+
+
+def compare(jobs: list[TraceJob], nodes: int, policies=POLICIES, elastic: str = "pp",
+            seed: int = 0, progress: Callable[[str, float], None] | None = None
+            ) -> dict[str, Outcome]:
+    """``static`` and every policy over ``jobs``, static's figures the baseline of the ratios.
+
+    ``jct_speedup`` is static's mean elastic JCT over the policy's; ``queue_ratio`` is the
+    policy's mean non-elastic queue time over static's (None where static's is 0 and the
+    policy's is not: no finite ratio). ``progress(policy, fraction)`` follows each run.
+    """
+    first = min((j.submit for j in jobs), default=0.0)
+    out: dict[str, Outcome] = {}
+    for name in dict.fromkeys(("static", *policies)):
+        config = SimConfig(policy=name, nodes=nodes, elastic=elastic, seed=seed)
+        hook = None if progress is None else (lambda f, name=name: progress(name, f))
+        sim = Simulation(jobs, config, progress=hook)
+        report = sim.run()
+        times, held = sim.timeline
+        out[name] = Outcome(report, sim.jct_seconds(), sim.queue_seconds(),
+                            ([t - first for t in times], held))
+    base = out["static"].report
+    for outcome in out.values():
+        r = outcome.report
+        r["jct_speedup"] = (base["elastic_jct_mean_s"] / r["elastic_jct_mean_s"]
+                            if r["elastic_jct_mean_s"] else 1.0)
+        r["queue_ratio"] = (r["queue_mean_s"] / base["queue_mean_s"] if base["queue_mean_s"]
+                            else 1.0 if r["queue_mean_s"] == 0 else None)
+    return out

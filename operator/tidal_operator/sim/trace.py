@@ -14,6 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 GPUS_PER_NODE = 8
+DEFAULT_SHARE = 0.3  # elastic jobs' share of the trace's GPU-hours
+DEFAULT_LOAD = 0.8  # the default cluster's mean load
+DEFAULT_REACH = 4  # the default cluster holds this many times the largest elastic job
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,7 +50,7 @@ def flextrain_size(gpus: int) -> str:
     return "small" if gpus <= 32 else "medium" if gpus <= 128 else "large"
 
 
-def mark_elastic(jobs: list[TraceJob], share: float = 0.3) -> list[TraceJob]:
+def mark_elastic(jobs: list[TraceJob], share: float = DEFAULT_SHARE) -> list[TraceJob]:
     """``jobs`` with the largest by GPU-hours marked elastic up to ``share`` of them."""
     total = sum(j.gpu_seconds for j in jobs)
     chosen: set[str] = set()
@@ -61,12 +64,17 @@ def mark_elastic(jobs: list[TraceJob], share: float = 0.3) -> list[TraceJob]:
     return [replace(j, size=flextrain_size(j.gpus)) if j.job_id in chosen else j for j in jobs]
 
 
-def default_nodes(jobs: list[TraceJob], load: float = 0.8) -> int:
-    """Nodes of 8 GPUs such that the trace's mean GPU demand is ``load`` of the cluster,
-    and never fewer than twice the largest job needs (so that one can grow past another)."""
+def default_nodes(jobs: list[TraceJob], load: float = DEFAULT_LOAD,
+                  reach: int = DEFAULT_REACH) -> int:
+    """Nodes of 8 GPUs such that the trace's mean GPU demand is ``load`` of the cluster, and
+    never fewer than ``reach`` times the largest elastic job (the largest job if none is
+    elastic) needs: FlexTrain's elastic range is 4x a job's initial GPUs, and a cluster that
+    cannot hold that has no room to show it."""
     if not jobs:
         return 1
     span = max(j.submit + j.duration for j in jobs) - min(j.submit for j in jobs)
     demand = sum(j.gpu_seconds for j in jobs) / max(span, 1.0)
-    gpus = max(demand / load, 2 * max(j.gpus for j in jobs))
+    largest = max(j.gpus for j in jobs if j.size) if any(j.size for j in jobs) else \
+        max(j.gpus for j in jobs)
+    gpus = max(demand / load, reach * largest)
     return max(1, math.ceil(gpus / GPUS_PER_NODE))

@@ -1,0 +1,142 @@
+"""Every policy over every cluster trace, with the defaults: the simulator's headline figures.
+
+For each trace in ``--traces`` (default ../shared/traces/elasticflow-itp) and each kind of
+scale table (PP-only, DP+PP), ``tidal sim``'s run with its defaults: every policy's
+``jct_speedup`` (static's mean elastic JCT over the policy's) and ``queue_ratio`` (the mean
+non-elastic queue time over static's), then per policy the geometric mean of the speedups over
+the traces and the worst queue ratio, and the wall seconds of each trace's run (all policies,
+static included; the largest trace's against the 60 s target). Prints JSON.
+
+    python bench/sim.py [--traces DIR] [--out DIR] [--json FILE] [--seed 0]
+
+``--out DIR`` also writes each run's report and plots under ``DIR/<trace>-<tables>/``;
+``--doc FILE`` puts the Markdown tables into FILE between its ``<!-- sim:begin -->`` and
+``<!-- sim:end -->`` lines (docs/simulator.md is kept that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "agent"), str(ROOT / "operator")]
+
+from rich.console import Console  # noqa: E402
+
+from tidal_operator.sim.cli import print_table, run_trace  # noqa: E402
+from tidal_operator.sim.engine import POLICIES  # noqa: E402
+from tidal_operator.sim.plots import write_plots  # noqa: E402
+
+TARGETS = {"pp": 1.55, "dp-pp": 2.27}  # FlexTrain's geometric-mean elastic JCT speedups
+ELASTIC = ("pp", "dp-pp")
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def summary_markdown(results: list[dict], summary: dict) -> str:
+    policies = [p for p in POLICIES if p != "static"]
+    lines = []
+    for elastic in ELASTIC:
+        title = "PP-only" if elastic == "pp" else "DP+PP"
+        lines += [f"#### {title} scale tables", "",
+                  "| trace | nodes (GPUs) | elastic jobs | "
+                  + " | ".join(f"{p} JCT speedup / queue ratio" for p in policies)
+                  + " | seconds |",
+                  "|---|---|---|" + "---|" * len(policies) + "---|"]
+        for r in (r for r in results if r["elastic"] == elastic):
+            cells = []
+            for p in policies:
+                run = r["policies"][p]
+                ratio = "n/a" if run["queue_ratio"] is None else f"{run['queue_ratio']:.3f}"
+                cells.append(f"{run['jct_speedup']:.2f}x / {ratio}")
+            lines.append(f"| {Path(r['trace']).stem} | {r['nodes']} ({r['gpus']}) | "
+                         f"{r['elastic_jobs']} of {r['jobs']} | " + " | ".join(cells)
+                         + f" | {r['seconds']:.1f} |")
+        means = summary[elastic]
+        lines.append("| **geometric mean / worst** | | | " + " | ".join(
+            f"**{means[p]['jct_speedup_geomean']:.2f}x** / {_worst(means[p])}"
+            for p in policies) + " | |")
+        lines += ["", f"Target (tidal): geometric mean at least {TARGETS[elastic]}x, every "
+                      f"queue ratio at most 1.00.", ""]
+    return "\n".join(lines)
+
+
+def _worst(entry: dict) -> str:
+    worst = entry["queue_ratio_worst"]
+    return "n/a" if worst is None else f"{worst:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", type=Path,
+                        default=ROOT.parent / "shared" / "traces" / "elasticflow-itp")
+    parser.add_argument("--out", type=Path, help="reports and plots here")
+    parser.add_argument("--doc", type=Path, help="Markdown file whose tables to rewrite")
+    parser.add_argument("--json", type=Path, help="also write the JSON here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    traces = sorted(args.traces.glob("*.csv"))
+    if not traces:
+        parser.error(f"no *.csv trace in {args.traces}")
+    console = Console(stderr=True, width=160)
+    results = []
+    for elastic in ELASTIC:
+        for trace in traces:
+            started = time.perf_counter()
+            report, runs = run_trace(trace, elastic=elastic, seed=args.seed, console=console)
+            report["seconds"] = time.perf_counter() - started
+            print_table(report, console)
+            if args.out is not None:
+                where = args.out / f"{trace.stem}-{elastic}"
+                where.mkdir(parents=True, exist_ok=True)
+                (where / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False)
+                                                   + "\n")
+                write_plots(runs, report["gpus"], where, f"{trace.stem} ({elastic})")
+            results.append(report)
+    summary: dict = {}
+    for elastic in ELASTIC:
+        runs = [r for r in results if r["elastic"] == elastic]
+        summary[elastic] = {}
+        for policy in POLICIES:
+            ratios = [r["policies"][policy]["queue_ratio"] for r in runs]
+            summary[elastic][policy] = {
+                "jct_speedup_geomean": geomean([r["policies"][policy]["jct_speedup"]
+                                                for r in runs]),
+                "queue_ratio_worst": None if None in ratios else max(ratios),
+            }
+    largest = max(traces, key=lambda t: t.stat().st_size)
+    out = {
+        "benchmark": "sim", "seed": args.seed, "traces": [t.name for t in traces],
+        "targets": TARGETS, "summary": summary,
+        "largest_trace": largest.name,
+        "largest_trace_seconds": {r["elastic"]: r["seconds"] for r in results
+                                  if r["trace"] == str(largest)},
+        "runs": [{k: r[k] for k in ("trace", "elastic", "nodes", "gpus", "jobs",
+                                    "elastic_jobs", "seconds")}
+                 | {"policies": {p: {k: r["policies"][p][k]
+                                     for k in ("jct_speedup", "queue_ratio")}
+                                 for p in POLICIES}} for r in results],
+    }
+    text = json.dumps(out, indent=2, allow_nan=False)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(text + "\n")
+    if args.doc is not None:
+        doc = args.doc.read_text()
+        begin, end = "<!-- sim:begin -->\n", "<!-- sim:end -->"
+        if begin not in doc or end not in doc:
+            sys.exit(f"{args.doc} has no {begin.strip()} ... {end} section to rewrite")
+        head, rest = doc.split(begin, 1)
+        args.doc.write_text(head + begin + summary_markdown(results, summary) + "\n"
+                            + end + rest.split(end, 1)[1])
+
+
+if __name__ == "__main__":
+    main()
