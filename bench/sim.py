@@ -7,7 +7,10 @@ non-elastic queue time over static's), then per policy the geometric mean of the
 the traces and the worst queue ratio, and the wall seconds of each trace's run (all policies,
 static included; the largest trace's against the 60 s target). Prints JSON.
 
-    python bench/sim.py [--traces DIR] [--out DIR] [--json FILE] [--seed 0]
+    python bench/sim.py [--traces DIR] [--out DIR] [--doc FILE] [--json FILE] [--seed 0]
+                        [--load 0.8] [--share 0.3]
+
+``--load`` and ``--share`` change the defaults of ``tidal sim`` for a sensitivity run.
 
 ``--out DIR`` also writes each run's report and plots under ``DIR/<trace>-<tables>/``;
 ``--doc FILE`` puts the Markdown tables into FILE between its ``<!-- sim:begin -->`` and
@@ -31,6 +34,7 @@ from rich.console import Console  # noqa: E402
 from tidal_operator.sim.cli import print_table, run_trace  # noqa: E402
 from tidal_operator.sim.engine import POLICIES  # noqa: E402
 from tidal_operator.sim.plots import write_plots  # noqa: E402
+from tidal_operator.sim.trace import DEFAULT_LOAD, DEFAULT_SHARE  # noqa: E402
 
 TARGETS = {"pp": 1.55, "dp-pp": 2.27}  # FlexTrain's geometric-mean elastic JCT speedups
 ELASTIC = ("pp", "dp-pp")
@@ -81,6 +85,8 @@ def main() -> None:
     parser.add_argument("--doc", type=Path, help="Markdown file whose tables to rewrite")
     parser.add_argument("--json", type=Path, help="also write the JSON here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--load", type=float, default=DEFAULT_LOAD)
+    parser.add_argument("--share", type=float, default=DEFAULT_SHARE)
     args = parser.parse_args()
     traces = sorted(args.traces.glob("*.csv"))
     if not traces:
@@ -90,7 +96,8 @@ def main() -> None:
     for elastic in ELASTIC:
         for trace in traces:
             started = time.perf_counter()
-            report, runs = run_trace(trace, elastic=elastic, seed=args.seed, console=console)
+            report, runs = run_trace(trace, elastic=elastic, seed=args.seed, load=args.load,
+                                     share=args.share, console=console)
             report["seconds"] = time.perf_counter() - started
             print_table(report, console)
             if args.out is not None:
@@ -113,7 +120,7 @@ def main() -> None:
             }
     largest = max(traces, key=lambda t: t.stat().st_size)
     out = {
-        "benchmark": "sim", "seed": args.seed, "traces": [t.name for t in traces],
+        "benchmark": "sim", "seed": args.seed, "load": args.load, "share": args.share, "traces": [t.name for t in traces],
         "targets": TARGETS, "summary": summary,
         "largest_trace": largest.name,
         "largest_trace_seconds": {r["elastic"]: r["seconds"] for r in results

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -20,7 +21,7 @@ from tidal_operator.sim.trace import (
 )
 
 _COLUMNS = (
-    ("jct_speedup", "JCT speedup", "{:.2f}x"), ("queue_ratio", "queue ratio", "{:.2f}x"),
+    ("jct_speedup", "JCT speedup", "{:.2f}x"), ("queue_ratio", "queue ratio", "{:.3f}x"),
     ("elastic_jct_mean_s", "JCT mean s", "{:,.0f}"), ("elastic_jct_p99_s", "JCT p99 s", "{:,.0f}"),
     ("queue_mean_s", "queue mean s", "{:,.0f}"), ("queue_p99_s", "queue p99 s", "{:,.0f}"),
     ("gpu_utilisation", "GPU util", "{:.1%}"), ("scale_ups", "ups", "{}"),
@@ -113,7 +114,8 @@ def sim(trace_path, policies, elastic, share, load, nodes, seed, report_path,
     """Simulate the scaling policies over a job trace on a simulated clock."""
     report, runs = run_trace(trace_path, policies=policies, elastic=elastic, share=share,
                              load=load, nodes=nodes, seed=seed)
-    print_table(report, Console())
+    # A pipe or file gets the whole table, not one squeezed into 80 columns.
+    print_table(report, Console() if sys.stdout.isatty() else Console(width=160))
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)
         report_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")

@@ -61,9 +61,10 @@ def write_plots(runs: dict[str, Outcome], gpus: int, out_dir: Path, title: str) 
     for ax, name in zip(axes[:, 0], names, strict=True):
         times, held = runs[name].timeline
         days = [t / _DAY for t in times]
-        ax.fill_between(days, held, step="post", color="C0", alpha=0.8, label="allocated")
+        ax.fill_between(days, held, step="post", color="C0", alpha=0.8, linewidth=0,
+                        label="allocated")
         ax.fill_between(days, held, [gpus] * len(held), step="post", color="C1", alpha=0.3,
-                        label="idle")
+                        linewidth=0, label="idle")
         ax.set_ylabel(f"{name}\nGPUs")
         ax.set_ylim(0, gpus)
     axes[0, 0].legend(loc="upper right", ncols=2)
