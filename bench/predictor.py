@@ -174,7 +174,7 @@ def main() -> None:
         print(f"profiling {base.describe()}...", file=sys.stderr, flush=True)
         wait_until_quiet(3 * args.quiet_wait)  # a profile taken under load misprices all
         _, profile_outside = outside_load(
-            lambda: run_local(base_job, base, steps=5, profile_out=profile_path))
+            lambda: run_local(base_job, base, steps=9, profile_out=profile_path))  # steps 3-7
         profile_doc = json.loads(profile_path.read_text())
     if args.profile_out:
         args.profile_out.write_text(json.dumps(profile_doc, indent=2) + "\n")

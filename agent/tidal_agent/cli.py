@@ -71,7 +71,7 @@ def main() -> None:
 @click.option("--partition", help="Force units per stage, e.g. 2,3,1.")
 @click.option("--workers-schedule", "workers_schedule", help="Change the worker count live: STEP:WORKERS,... e.g. 0:2,4:3,8:4.")
 @click.option("--reshard-bucket-mib", "bucket_mib", type=click.IntRange(min=1), default=256, show_default=True, help="Memory cap per worker for state in flight during a live switch.")
-@click.option("--profile", "profile_out", type=click.Path(dir_okay=False), help="Profile steps 1-3 online and write per-unit costs (JSON) here.")
+@click.option("--profile", "profile_out", type=click.Path(dir_okay=False), help="Profile steps 3-7 online (1 to the last in shorter runs) and write per-unit costs (JSON) here.")
 @click.option("--resume", help="Resume from a checkpoint directory, or 'latest' under spec.checkpoint.path.")
 @click.option("--plan-profile", "plan_profile", type=click.Path(dir_okay=False), help="Plan layouts from this online profile (default: the modeling-based predictor).")
 @click.option("--plan-device", default="cpu", show_default=True, help="Device description for the modeling-based predictor: h100, cpu or a JSON file.")
@@ -98,6 +98,10 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     from tidal_plan.devices import DeviceError, load_device
     from tidal_plan.planner import LayoutPlanner
     from tidal_plan.profiled import ProfileError, load_profile
+
+    if profile_out and steps < 3:
+        raise click.BadParameter("profiling needs at least 3 steps (a warm-up, a hooked and a "
+                                 "plain one)", param_hint="'--steps'")
 
     if workers_schedule and (workers or partition):
         raise click.ClickException("--workers-schedule replaces --workers and --partition")

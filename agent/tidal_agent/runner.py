@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
 from tidal_agent.trainer import model_config, params_sha256
-from tidal_agent.worker import WorkerOptions, worker_main
+from tidal_agent.worker import WorkerOptions, profile_window, worker_main
 from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob
 from tidal_plan.elastic import Generation, all_workers, data_parallel_degree, generations
@@ -107,6 +107,7 @@ def run_elastic(
         checkpoint_every=job.spec.checkpoint.every_steps,
         bucket_bytes=bucket_bytes,
         profile_out=str(profile_out) if profile_out else None,
+        profile_steps=profile_window(steps) if profile_out else (0, 0),
     )
     ctx = mp.get_context("spawn")
     events = ctx.Queue()

@@ -22,7 +22,7 @@ def test_profile_covers_every_unit_and_keeps_the_bits(tmp_path):
 
     data = json.loads(profile.read_text())
     assert b["profile"] == str(profile)
-    assert data["profiled_steps"] == [1, 2, 3]
+    assert data["profiled_steps"] == [1, 2, 3, 4]  # a 5-step run: 1 to the last
     assert sorted(map(int, data["units"])) == list(range(8))  # 6 blocks + embedding + head
     for unit, costs in data["units"].items():
         assert costs["forward_s"] > 0 and costs["input_grad_s"] >= 0

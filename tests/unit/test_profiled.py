@@ -250,3 +250,14 @@ def test_calibrated_profile_errors():
     with pytest.raises(ProfileError, match="profile lacks 'units'"):
         Profile.from_dict(data)
     assert Affine(fixed_s=-2.0, per_sample_s=0.5).at(2) == 0.0
+
+
+def test_profile_window_skips_a_fresh_process_s_slow_first_steps():
+    from tidal_agent.worker import profile_window
+
+    assert profile_window(1000) == profile_window(9) == (3, 8)  # hooked 3, plain 4-7
+    assert profile_window(8) == (3, 8)
+    assert profile_window(5) == (1, 5)  # a short run: from step 1 to its last
+    assert profile_window(3) == (1, 3)
+    with pytest.raises(ValueError, match="at least 3 steps"):
+        profile_window(2)
