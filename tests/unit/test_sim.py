@@ -157,3 +157,23 @@ def test_sim_command_writes_the_report(tmp_path):
     for name in ("normalised", "queue_cdf", "gpus"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert CliRunner().invoke(sim, ["--trace", str(trace), "--policy", "fast"]).exit_code == 2
+
+
+def test_sim_command_refuses_bad_traces_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from tidal_operator.sim.cli import sim
+
+    cases = {
+        "job_id,submission_time,num_gpu\na,0,8\n": "no column duration",
+        "job_id,submission_time,duration,num_gpu\na,0,100,eight\n": "line 2: num_gpu must be",
+        "job_id,submission_time,duration,num_gpu\n": "has no job with GPUs",
+        "job_id,submission_time,duration,num_gpu\na,0,100,64\n": "larger than the cluster",
+    }
+    for i, (text, message) in enumerate(cases.items()):
+        trace = tmp_path / f"t{i}.csv"
+        trace.write_text(text)
+        extra = ["--nodes", "2"] if "64" in text else []
+        result = CliRunner().invoke(sim, ["--trace", str(trace), *extra])
+        assert result.exit_code == 1, (text, result.output)
+        assert message in result.output and "Traceback" not in result.output, result.output

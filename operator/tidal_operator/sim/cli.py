@@ -48,7 +48,10 @@ def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
               seed: int = 0, console: Console | None = None) -> tuple[dict, dict[str, Outcome]]:
     """Simulate ``policies`` (and static) over one trace with a progress bar per policy;
     the JSON report and each policy's :class:`Outcome`."""
-    jobs = mark_elastic(load_trace(trace_path), share=share)
+    try:
+        jobs = mark_elastic(load_trace(trace_path), share=share)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if not jobs:
         raise click.ClickException(f"{trace_path} has no job with GPUs and a duration")
     nodes = nodes or default_nodes(jobs, load=load)

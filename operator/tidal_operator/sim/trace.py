@@ -34,15 +34,33 @@ class TraceJob:
         return self.gpus * self.duration
 
 
+COLUMNS = ("job_id", "submission_time", "duration", "num_gpu")
+
+
 def load_trace(path: str | Path) -> list[TraceJob]:
-    """The trace's jobs with GPUs and a positive duration, by submission time then id."""
+    """The trace's jobs with GPUs and a positive duration, by submission time then id.
+
+    Raises ValueError, naming the file and line, for a missing column or a value that is not
+    a number."""
     jobs = []
     with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            gpus, duration = int(row["num_gpu"]), float(row["duration"])
+        reader = csv.DictReader(f)
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"{path}: no column {', '.join(missing)}; a trace has the columns "
+                             f"{', '.join(COLUMNS)}")
+        for row in reader:
+            try:
+                gpus, duration = int(row["num_gpu"]), float(row["duration"])
+                submit = float(row["submission_time"])
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}, line {reader.line_num}: num_gpu must be an integer, "
+                                 f"submission_time and duration numbers; got "
+                                 f"{row['num_gpu']!r}, {row['submission_time']!r}, "
+                                 f"{row['duration']!r}") from None
             if gpus > 0 and duration > 0:
-                jobs.append(TraceJob(job_id=row["job_id"], submit=float(row["submission_time"]),
-                                     duration=duration, gpus=gpus))
+                jobs.append(TraceJob(job_id=row["job_id"], submit=submit, duration=duration,
+                                     gpus=gpus))
     return sorted(jobs, key=lambda j: (j.submit, j.job_id))
 
 
