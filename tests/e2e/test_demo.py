@@ -200,7 +200,7 @@ def test_local_up_stops_everything_it_started(tmp_path, sig):
     finally:
         if up.poll() is None:
             up.kill()
-            up.wait()
+            up.communicate()  # and close the pipes: a leaked one fails a later test
     assert up.returncode == 0, err[-3000:]
     assert "stopping: every pod's process, the operator, the API" in err
     assert survivors(run_id) == []

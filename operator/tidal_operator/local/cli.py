@@ -20,11 +20,17 @@ _console = Console(stderr=True)
 
 
 def _sigterm_as_interrupt() -> None:
-    """SIGTERM takes the Ctrl-C path, so that either stops everything that was started."""
+    """SIGTERM takes the Ctrl-C path, so that either stops everything that was started.
+
+    SIGINT gets Python's own handler even where it came ignored: a shell without job control
+    starts background commands with SIGINT ignored, and their children inherit that, so Ctrl-C
+    (or ``kill -INT``) would not stop a cluster started from a script's background job.
+    """
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _logging(log_file: Path) -> None:
