@@ -103,8 +103,8 @@ def print_table(report: dict, console: Console) -> None:
 @click.option("--load", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_LOAD,
               show_default=True, help="The default cluster's mean load (see --nodes).")
 @click.option("--nodes", type=click.IntRange(min=1), default=None,
-              help="8-GPU nodes [default: the trace's mean GPU demand at --load, at least "
-                   "twice the largest job].")
+              help="8-GPU nodes [default: the trace's mean GPU demand at --load, and at least "
+                   "4x the largest elastic job, FlexTrain's elastic range].")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seeds the spread of switch pauses; the same seed gives the same report.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
