@@ -99,9 +99,13 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     from tidal_plan.planner import LayoutPlanner
     from tidal_plan.profiled import ProfileError, load_profile
 
-    if profile_out and steps < 3:
-        raise click.BadParameter("profiling needs at least 3 steps (a warm-up, a hooked and a "
-                                 "plain one)", param_hint="'--steps'")
+    from tidal_agent.worker import profile_window
+
+    if profile_out:
+        try:
+            profile_window(steps)
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="'--steps'") from None
 
     if workers_schedule and (workers or partition):
         raise click.ClickException("--workers-schedule replaces --workers and --partition")

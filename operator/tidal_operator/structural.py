@@ -317,13 +317,14 @@ class _Parser:
         fn = methods[name]
         return lambda env: fn(target(env), *(arg(env) for arg in args))
 
-    def arguments(self) -> list[Expr]:
+    def arguments(self, close: str = ")") -> list[Expr]:
+        """Comma-separated expressions up to and including ``close``."""
         args: list[Expr] = []
-        while self.peek() != ")":
+        while self.peek() != close:
             args.append(self.ternary())
             if self.peek() == ",":
                 self.take()
-        self.take(")")
+        self.take(close)
         return args
 
     def primary(self) -> Expr:
@@ -339,12 +340,7 @@ class _Parser:
             self.take(")")
             return inner
         if text == "[":
-            items: list[Expr] = []
-            while self.peek() != "]":
-                items.append(self.ternary())
-                if self.peek() == ",":
-                    self.take()
-            self.take("]")
+            items = self.arguments("]")
             return lambda env: [item(env) for item in items]
         if kind != "id":
             raise CelUnsupported(f"unexpected {text!r}")

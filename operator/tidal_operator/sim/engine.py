@@ -111,6 +111,7 @@ class _Job:
     paused_until: float = 0.0
     next_pod: int = 0
     end_at: float | None = None  # the one live "end" event of an elastic job
+    pending: tuple[Pod, ...] = ()  # its pods as decide sees them while it queues
 
     @property
     def key(self) -> str:
@@ -223,6 +224,9 @@ class Simulation:
     def _arrive(self, job: _Job) -> None:
         if job.trace.size is None:
             self.arrivals.append(job.trace.submit)
+        job.pending = tuple(Pod(f"{job.key}/{i}", size, None, "Pending", None,
+                                created=job.trace.submit)
+                            for i, size in enumerate(job.pod_sizes()))
         self.queue.append(job)
 
     def _finish(self, job: _Job) -> None:
@@ -315,8 +319,7 @@ class Simulation:
             self.arrivals.popleft()
         pods = [p for job in self.running.values() for p in job.pods]
         for job in self.queue:
-            pods += [Pod(f"{job.key}/{i}", size, None, "Pending", None, created=job.trace.submit)
-                     for i, size in enumerate(job.pod_sizes())]
+            pods += job.pending
         jobs = []
         for job in self.running.values():
             if job.spec is not None:
