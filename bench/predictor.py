@@ -1,7 +1,10 @@
 """The profiling-based predictor against measured step times, layout by layout.
 
-One run of the job in a base layout (pp=2, 1F1B, the job's micro-batch size) writes the online
-profile; ``predict_profiled`` then prices every candidate layout (pp 1 to 4, GPipe, 1F1B,
+The job is ``examples/tiny.yaml`` by default, whose step is much interpreter and wake-ups;
+``--job bench/predictor-job.yaml`` takes its shape at width 128 and 128 tokens per sample,
+whose actions are milliseconds of compute. One run of the job in a base layout (pp=2, 1F1B,
+the job's micro-batch size) writes the online profile, the host's sharing probe included;
+``predict_profiled`` then prices every candidate layout (pp 1 to 4, GPipe, 1F1B,
 interleaved and zero-bubble schedules, uneven partitions, two micro-batch sizes), and each
 candidate is trained for real with ``run_local`` and its median step time taken (warm-up steps
 dropped). Candidates are measured in ``--rounds`` rounds, in reverse order on odd rounds, so
@@ -226,6 +229,7 @@ def main() -> None:
             "rendezvous_s": profile.rendezvous_s,
             "message_work_s": profile.message_work_s,
             "in_run": profile.calibration.in_run if profile.calibration else None,
+            "sharing": profile_doc.get("sharing"),
             "outside_cores": profile_outside,
         },
         "layouts": rows,

@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
+from tidal_agent.sharing import measure_sharing
 from tidal_agent.trainer import model_config, params_sha256
 from tidal_agent.worker import WorkerOptions, profile_window, worker_main
 from tidal_agent.world import Rendezvous
@@ -137,6 +139,8 @@ def run_elastic(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+    if collected.profile is not None and opts.rendezvous.backend == "gloo":
+        _add_sharing(collected.profile, job, threads)
     num_params = len(global_parameter_names(model_config(job.spec)))
     report = {
         "job": job.metadata.name,
@@ -157,6 +161,20 @@ def run_elastic(
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _add_sharing(profile_path: str, job: ElasticTrainingJob, threads: int) -> None:
+    """Add the host's sharing probe, for the profiled layout, to the profile the run wrote.
+
+    It runs once the workers are gone, on cores nobody else of the job uses.
+    """
+    path = Path(profile_path)
+    profile = json.loads(path.read_text())
+    layout = Layout(**profile["layout"])
+    print(f"profile: timing shared cores ({2 * max(1, (os.cpu_count() or 1) // threads)} "
+          "processes, about 15 s)...", file=sys.stderr, flush=True)
+    profile["sharing"] = measure_sharing(job.spec, layout, threads=threads)
+    path.write_text(json.dumps(profile, indent=2) + "\n")
 
 
 class _Collected:

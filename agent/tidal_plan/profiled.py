@@ -20,12 +20,16 @@ any other layout of the same model on the same machine. What it holds and how it
   threads included (``message_work_s``). Two ranks doing nothing else time the delays shorter
   than a running pipeline sees them, so both are stretched by one factor (at least 1) with
   which the dry run of the profiled layout takes as long as its plain profiled steps did;
-- the step's two all-reduces (gradient norms and step loss), timed in the profiled world.
+- the step's two all-reduces (gradient norms and step loss), timed in the profiled world;
+- on a CPU host, what a core shared by two ranks costs beyond halving their speed
+  (``sharing``: ``tidal_agent.sharing`` times the profiled stages' work with two processes
+  per core against one), for layouts with more ranks than cores.
 
 A stage action costs its kind's overhead plus its units' costs, times ``in_run``; posting
 sends and receives is added to the compute action they follow or precede. The lowered schedule
 runs through the dry-run simulator on a ``Machine`` with the host's cores (``cores / threads``
-ranks compute at full speed at once; more share them), the rendezvous delay and the message
+ranks compute at full speed at once; more share them, at the cost ``sharing`` measured), the
+rendezvous delay and the message
 work, which competes for the cores while the transport handles the message; the step adds the
 slowest rank's post-pipeline work and the two all-reduces, which grow with the ranks taking
 part (``(W - 1) / (W_profiled - 1)``, the steps of a ring).
@@ -124,6 +128,7 @@ class Profile:
     calibration: Calibration | None = None
     rendezvous_s: float = 0.0  # a message's delay when its RECV is posted after its SEND
     message_work_s: float = 0.0  # CPU seconds one end of a message costs its process
+    sharing: float = 1.0  # a pass's work on a core shared by two ranks, over one's own
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -143,6 +148,7 @@ class Profile:
                 threads=data.get("threads", 1),
                 rendezvous_s=data.get("rendezvous_s", 0.0),
                 message_work_s=data.get("message_work_s", 0.0),
+                sharing=max(1.0, data.get("sharing", {}).get("work_factor", 1.0)),
             )
             if "calibration" not in data:
                 return profile
@@ -319,7 +325,7 @@ def _linear_costs(profile: Profile, layout: Layout) -> Costs:
 
 def _machine(profile: Profile, layout: Layout) -> Machine:
     return Machine(cores=_cores(profile), replicas=layout.dp, rendezvous=profile.rendezvous_s,
-                   message_work=profile.message_work_s)
+                   message_work=profile.message_work_s, sharing=profile.sharing)
 
 
 def _dry_run(profile: Profile, layout: Layout) -> SimResult:
@@ -383,7 +389,10 @@ def _post_pipeline(profile: Profile, layout: Layout) -> float:
         ))
         for r in range(layout.pp)
     ]
-    return max(max(per_rank), layout.dp * sum(per_rank) / _cores(profile))
+    # All ranks at once: the cores' share of the total, slower still where they are shared.
+    machine = _machine(profile, layout)
+    return max(max(per_rank), layout.dp * sum(per_rank) / layout.world_size
+               * machine.slowdown(layout.world_size))
 
 
 def _collectives(profile: Profile, layout: Layout) -> float:

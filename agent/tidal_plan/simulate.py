@@ -9,8 +9,9 @@ makespan, bubble, peak activation memory per rank, each rank's timeline and, on 
 rank x step grid with the action each rank is stuck on.
 
 With a ``Machine`` the ranks share its cores (processor sharing): while ``n`` ranks compute
-at once, each runs at ``min(1, cores / n)`` of its speed, so a compute action's cost is its work
-and its span stretches while more ranks than cores are busy. The machine's transport also
+at once, each runs at ``min(1, cores / n)`` of its speed (and slower still by the machine's
+``sharing`` where cores are time-shared), so a compute action's cost is its work and its span
+stretches while more ranks than cores are busy. The machine's transport also
 tells apart the two orders of a message's ends: a RECV posted before its SEND gets the data
 ``Costs.comm`` after the SEND, one posted after it (a rendezvous: the sender's side must answer
 first) ``Machine.rendezvous`` after the RECV.
@@ -131,21 +132,32 @@ class Machine:
     once the receiver's notice reaches the sender's side, whose thread must be woken for it.
     ``message_work`` is the CPU time each end of a message costs its process beside its rank's
     own compute (the transport's threads): nothing while cores are idle, a share of them
-    while every core computes.
+    while every core computes. ``sharing`` is what a core shared by two busy ranks costs
+    beyond halving their speed: the work of a pass grows by that factor (measured by
+    ``tidal_agent.sharing``; cache refills after every switch), in proportion to the cores
+    that are shared while fewer than two ranks per core are busy.
     """
 
     cores: float = math.inf
     replicas: int = 1
     rendezvous: float = 0.0
     message_work: float = 0.0
+    sharing: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.cores > 0 and self.replicas >= 1 and self.rendezvous >= 0
-                and self.message_work >= 0):
+                and self.message_work >= 0 and self.sharing >= 1):
             raise ValueError(
                 f"{self}: cores must be positive, replicas at least 1, rendezvous and "
-                "message_work non-negative"
+                "message_work non-negative, sharing at least 1"
             )
+
+    def slowdown(self, busy: float) -> float:
+        """How much slower each of ``busy`` ranks (of all replicas) computes than alone."""
+        per_core = busy / self.cores
+        if per_core <= 1.0:
+            return 1.0
+        return per_core * (1.0 + (self.sharing - 1.0) * min(1.0, per_core - 1.0))
 
 
 def simulate(
@@ -347,7 +359,7 @@ class _SharedReplay(_Replay):
     def __init__(self, layout: Layout, lowered: Mapping[int, Sequence[Action]], costs: Costs,
                  machine: Machine):
         super().__init__(layout, lowered, costs)
-        self.cores = machine.cores / machine.replicas  # per pipeline
+        self.machine = machine
         self.rendezvous = machine.rendezvous
         self.message_work = machine.message_work
         self.jobs: list[float] = []  # work left of the messages being handled
@@ -364,7 +376,8 @@ class _SharedReplay(_Replay):
                     return  # finished, or deadlocked
                 now = waking
                 continue
-            rate = min(1.0, self.cores / (len(running) + len(self.jobs)))
+            busy = len(running) + len(self.jobs)  # of one pipeline; the replicas alike
+            rate = 1.0 / self.machine.slowdown(busy * self.machine.replicas)
             least = min([self.left[rank] for rank in running] + self.jobs)
             if waking < now + least / rate:  # a message comes before any work ends
                 done, now = (waking - now) * rate, waking

@@ -40,5 +40,6 @@ def test_predictor_bench_runs(tmp_path):
     for key in ("median_abs_error", "max_abs_error", "choice_gap"):
         assert math.isfinite(report[key]) and report[key] >= 0
     assert len(report["layouts"]) == 3
+    assert report["profile"]["sharing"]["work_factor"] > 0  # the host's probe ran
     for row in report["layouts"]:
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
