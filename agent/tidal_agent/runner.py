@@ -172,7 +172,7 @@ def _add_sharing(profile_path: str, job: ElasticTrainingJob, threads: int) -> No
     profile = json.loads(path.read_text())
     layout = Layout(**profile["layout"])
     print(f"profile: timing shared cores ({2 * max(1, (os.cpu_count() or 1) // threads)} "
-          "processes, about 15 s)...", file=sys.stderr, flush=True)
+          "processes, about 12 s)...", file=sys.stderr, flush=True)
     profile["sharing"] = measure_sharing(job.spec, layout, threads=threads)
     path.write_text(json.dumps(profile, indent=2) + "\n")
 
