@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
-from tidal_agent.sharing import measure_sharing
+from tidal_agent.sharing import measure_sharing, probe_processes
 from tidal_agent.trainer import model_config, params_sha256
 from tidal_agent.worker import WorkerOptions, profile_window, worker_main
 from tidal_agent.world import Rendezvous
@@ -171,8 +171,8 @@ def _add_sharing(profile_path: str, job: ElasticTrainingJob, threads: int) -> No
     path = Path(profile_path)
     profile = json.loads(path.read_text())
     layout = Layout(**profile["layout"])
-    print(f"profile: timing shared cores ({2 * max(1, (os.cpu_count() or 1) // threads)} "
-          "processes, about 12 s)...", file=sys.stderr, flush=True)
+    print(f"profile: timing shared cores ({probe_processes(threads)} processes, about 12 s)...",
+          file=sys.stderr, flush=True)
     profile["sharing"] = measure_sharing(job.spec, layout, threads=threads)
     path.write_text(json.dumps(profile, indent=2) + "\n")
 

@@ -10,7 +10,7 @@ backward, 6-block model of width 128): a block's CPU seconds per step grew by ab
 
 ``measure_sharing`` times it with the job's own work: ``2 c`` processes (``c`` = the ranks the
 host's cores run at full speed at once), each with fresh copies of one stage of the profiled
-layout, run passes of that stage (``profiler._time_group``: F, B, F, I, W and the
+layout, run passes of that stage (``profiler.time_group``: F, B, F, I, W and the
 post-pipeline work) in alternating phases: ``c`` of them alone (every core busy, one process
 each, as the profile's calibration ran), then all ``2 c`` (two per core). The CPU seconds
 per pass of the first ``c`` processes in the shared phases over those in the alone phases is
@@ -30,7 +30,8 @@ import torch
 
 from tidal_agent.model import build_unit
 from tidal_agent.optim import build_adamw
-from tidal_agent.profiler import _time_group
+from tidal_agent.profiler import time_group
+from tidal_agent.trainer import model_config
 from tidal_api import JobSpec
 from tidal_plan.layout import Layout
 
@@ -45,9 +46,8 @@ def measure_sharing(
     "shared_cpu_s"}``: the last two are the median CPU seconds of a pass. Raises
     ``RuntimeError`` if a probe process fails or does not report within ``timeout_s``.
     """
-    cores = os.cpu_count() or 1
-    full = max(1, cores // threads)  # processes the cores run at full speed at once
-    procs_n = 2 * full
+    procs_n = probe_processes(threads)
+    full = procs_n // 2  # processes the cores run at full speed at once
     # Phases: the first ``full`` processes alone, then all of them; ``rounds`` times.
     phases = [tuple(range(full)), tuple(range(procs_n))] * rounds
     ctx = mp.get_context("spawn")
@@ -95,13 +95,16 @@ def measure_sharing(
     }
 
 
+def probe_processes(threads: int = 1) -> int:
+    """How many processes the probe starts: two per ``threads``-thread rank the cores hold."""
+    return 2 * max(1, (os.cpu_count() or 1) // threads)
+
+
 def _probe(index: int, spec_json: str, layout_dict: dict, stage: int, threads: int,
            phases: list[tuple[int, ...]], phase_s: float, ready, results) -> None:
     try:
         torch.set_num_threads(threads)
         spec = JobSpec.model_validate_json(spec_json)
-        from tidal_agent.trainer import model_config
-
         config = model_config(spec)
         layout = Layout(**layout_dict)
         m = layout.micro_batch_size
@@ -112,7 +115,7 @@ def _probe(index: int, spec_json: str, layout_dict: dict, stage: int, threads: i
         batch = torch.randint(config.vocab, (m, config.sample_len), generator=gen)
         tokens = lambda size: batch[:size]  # noqa: E731
         for _ in range(2):  # warm-up: allocations, the optimizer's state
-            _time_group(units, m, tokens, opt)
+            time_group(units, m, tokens, opt)
     except Exception as err:  # report it rather than leave the others at the barrier
         ready.abort()
         results.put({"index": index, "error": repr(err)})
@@ -129,7 +132,7 @@ def _probe(index: int, spec_json: str, layout_dict: dict, stage: int, threads: i
         last = 0.0
         while time.monotonic() + last < end:
             cpu, wall = time.process_time(), time.monotonic()
-            _time_group(units, m, tokens, opt)
+            time_group(units, m, tokens, opt)
             per_pass.append((k, time.process_time() - cpu))
             last = time.monotonic() - wall
         time.sleep(max(0.0, end - time.monotonic()))

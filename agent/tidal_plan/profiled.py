@@ -29,10 +29,10 @@ A stage action costs its kind's overhead plus its units' costs, times ``in_run``
 sends and receives is added to the compute action they follow or precede. The lowered schedule
 runs through the dry-run simulator on a ``Machine`` with the host's cores (``cores / threads``
 ranks compute at full speed at once; more share them, at the cost ``sharing`` measured), the
-rendezvous delay and the message
-work, which competes for the cores while the transport handles the message; the step adds the
-slowest rank's post-pipeline work and the two all-reduces, which grow with the ranks taking
-part (``(W - 1) / (W_profiled - 1)``, the steps of a ring).
+rendezvous delay and the message work, which competes for the cores while the transport
+handles the message; the step adds the slowest rank's post-pipeline work and the two
+all-reduces, which grow with the ranks taking part (``(W - 1) / (W_profiled - 1)``, the steps
+of a ring).
 
 Why those message costs: gloo sends a message only once the receiver has posted its RECV. A
 receiver that lags behind its sender (GPipe's forwards, any rank slower than the one before
@@ -389,10 +389,9 @@ def _post_pipeline(profile: Profile, layout: Layout) -> float:
         ))
         for r in range(layout.pp)
     ]
-    # All ranks at once: the cores' share of the total, slower still where they are shared.
-    machine = _machine(profile, layout)
-    return max(max(per_rank), layout.dp * sum(per_rank) / layout.world_size
-               * machine.slowdown(layout.world_size))
+    # All ranks at once: the mean rank's work, slower where the ranks outnumber the cores.
+    shared = sum(per_rank) / layout.pp * _machine(profile, layout).slowdown(layout.world_size)
+    return max(max(per_rank), shared)
 
 
 def _collectives(profile: Profile, layout: Layout) -> float:
