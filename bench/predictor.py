@@ -2,28 +2,31 @@
 
 The job is ``examples/tiny.yaml`` by default, whose step is much interpreter and wake-ups;
 ``--job bench/predictor-job.yaml`` takes its shape at width 128 and 128 tokens per sample,
-whose actions are milliseconds of compute. One run of the job in a base layout (pp=2, 1F1B,
-the job's micro-batch size) writes the online profile, the host's sharing probe included;
-``predict_profiled`` then prices every candidate layout (pp 1 to 4, GPipe, 1F1B,
-interleaved and zero-bubble schedules, uneven partitions, two micro-batch sizes), and each
-candidate is trained for real with ``run_local`` and its median step time taken (warm-up steps
-dropped). Candidates are measured in ``--rounds`` rounds, in reverse order on odd rounds, so
-that slow drift of the machine's load falls on all of them alike; a candidate's measured time
-is the median over all its timed steps.
+whose actions are milliseconds of compute. Every round first takes the online profile: one
+run of the job in a base layout (pp=2, 1F1B, the job's micro-batch size), the host's sharing
+probe included; ``predict_profiled`` then prices every candidate layout (pp 1 to 4, GPipe,
+1F1B, interleaved and zero-bubble schedules, uneven partitions, two micro-batch sizes) from
+it, and each candidate is trained for real with ``run_local`` and its median step time taken
+(warm-up steps dropped). A candidate's prediction is the median of the ``--rounds`` rounds'
+predictions and its measured time the median over all its timed steps: the profile is a
+measurement of this shared host too, and one taken at a fast or a slow moment of it would
+misprice every layout alike. Candidates run in reverse order on odd rounds, so that slow
+drift of the machine's load falls on all of them alike.
 
 The predictor models a host whose cores are the job's alone; other processes on a shared host
 slow the runs down (and the profile's run too) by as much as twice. So before every candidate
-run the benchmark waits, up to ``--quiet-wait`` seconds (three times that before the profile),
+run the benchmark waits, up to ``--quiet-wait`` seconds (three times that before a profile),
 for the other processes to leave the cores idle, and reports for each run how many cores they
 kept busy meanwhile (``outside_cores``, from /proc/stat less this benchmark's own processes).
 
 Prints a per-layout table on stderr and JSON on stdout: per candidate the predicted and
-measured seconds and the error |pred - meas| / meas; ``median_abs_error``, ``max_abs_error``
-and ``choice_gap``: per worker count, measured(lowest predicted) / measured(lowest measured)
-- 1, the worst over worker counts.
+measured seconds (and per round) and the error |pred - meas| / meas; per round what its
+profile measured (``profiles``); ``median_abs_error``, ``max_abs_error`` and ``choice_gap``:
+per worker count, measured(lowest predicted) / measured(lowest measured) - 1, the worst over
+worker counts.
 
     python bench/predictor.py [--job examples/tiny.yaml] [--steps 8] [--rounds 3]
-                              [--quiet-wait 20] [--json FILE] [--profile-out FILE]
+                              [--quiet-wait 20] [--json FILE] [--profile-dir DIR]
 """
 
 from __future__ import annotations
@@ -142,6 +145,16 @@ def outside_load(run):
     return result, max(0.0, others) / (time.monotonic() - started)
 
 
+def take_profile(job: ElasticTrainingJob, layout: Layout, quiet_wait: float):
+    """The online profile of a run of ``layout`` (steps 3-7 of 9, then the sharing probe) and
+    the cores other processes kept busy meanwhile."""
+    wait_until_quiet(quiet_wait)  # a profile taken under load misprices all
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.json"
+        _, load = outside_load(lambda: run_local(job, layout, steps=9, profile_out=path))
+        return json.loads(path.read_text()), load
+
+
 def choice_gap(rows: list[dict]) -> float:
     gaps = []
     for workers in sorted({row["workers"] for row in rows}):
@@ -162,7 +175,8 @@ def main() -> None:
                         help="seconds to wait before each run for other processes to go idle")
     parser.add_argument("--tiny", action="store_true", help="three layouts, few steps")
     parser.add_argument("--json", type=Path, help="also write the JSON report here")
-    parser.add_argument("--profile-out", type=Path, help="keep the profile it took here")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="keep the profiles it took here (round-1.json, ...)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.tiny:
@@ -171,22 +185,33 @@ def main() -> None:
     base_job = parse_job(doc)
     runs = candidates(doc, TINY if args.tiny else CANDIDATES)
     base = candidates(doc, [(2, "1f1b", 1, None, 1)])[0][0]
-
-    with tempfile.TemporaryDirectory() as tmp:
-        profile_path = Path(tmp) / "profile.json"
-        print(f"profiling {base.describe()}...", file=sys.stderr, flush=True)
-        wait_until_quiet(3 * args.quiet_wait)  # a profile taken under load misprices all
-        _, profile_outside = outside_load(
-            lambda: run_local(base_job, base, steps=9, profile_out=profile_path))  # steps 3-7
-        profile_doc = json.loads(profile_path.read_text())
-    if args.profile_out:
-        args.profile_out.write_text(json.dumps(profile_doc, indent=2) + "\n")
-    profile = Profile.from_dict(profile_doc)
     seq_len = base_job.spec.model.seq_len
 
+    profiles: list[dict] = []  # per round: the profile it took and what it predicts
     times: list[list[list[float]]] = [[] for _ in runs]  # per candidate, per round
     outside: list[list[float | None]] = [[] for _ in runs]
     for round_ in range(args.rounds):
+        print(f"round {round_ + 1}: profiling {base.describe()}...", file=sys.stderr, flush=True)
+        profile_doc, load = take_profile(base_job, base, 3 * args.quiet_wait)
+        profile = Profile.from_dict(profile_doc)
+        profiles.append({
+            "outside_cores": load,
+            "predicted_s": [predict_profiled(profile, layout, seq_len).step_seconds
+                            for layout, _ in runs],
+            "summary": {
+                "message_latency_s": profile.p2p_seconds,
+                "rendezvous_s": profile.rendezvous_s,
+                "message_work_s": profile.message_work_s,
+                "in_run": profile.calibration.in_run if profile.calibration else None,
+                "sharing": profile.sharing,
+                "sharing_probe": profile_doc.get("sharing"),
+                "outside_cores": load,
+            },
+        })
+        if args.profile_dir:
+            args.profile_dir.mkdir(parents=True, exist_ok=True)
+            (args.profile_dir / f"round-{round_ + 1}.json").write_text(
+                json.dumps(profile_doc, indent=2) + "\n")
         order = list(range(len(runs)))[:: 1 if round_ % 2 == 0 else -1]
         for i in order:
             layout, job = runs[i]
@@ -198,17 +223,18 @@ def main() -> None:
             outside[i].append(load)
 
     rows = []
-    for (layout, _), measured, loads in zip(runs, times, outside, strict=True):
-        predicted = predict_profiled(profile, layout, seq_len).step_seconds
+    for i, ((layout, _), measured, loads) in enumerate(zip(runs, times, outside, strict=True)):
+        predicted = [round_["predicted_s"][i] for round_ in profiles]
         meas = statistics.median(t for run in measured for t in run)
         rows.append({
             "layout": layout.describe(),
             "workers": layout.world_size,
-            "predicted_s": predicted,
+            "predicted_s": statistics.median(predicted),
             "measured_s": meas,
+            "predicted_rounds_s": predicted,
             "measured_rounds_s": [statistics.median(run) for run in measured],
             "outside_cores": loads,
-            "error": abs(predicted - meas) / meas,
+            "error": abs(statistics.median(predicted) - meas) / meas,
         })
     print(f"{'layout':36s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}  outside cores",
           file=sys.stderr)
@@ -224,14 +250,7 @@ def main() -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
-        "profile": {
-            "message_latency_s": profile.p2p_seconds,
-            "rendezvous_s": profile.rendezvous_s,
-            "message_work_s": profile.message_work_s,
-            "in_run": profile.calibration.in_run if profile.calibration else None,
-            "sharing": profile_doc.get("sharing"),
-            "outside_cores": profile_outside,
-        },
+        "profiles": [round_["summary"] for round_ in profiles],
         "layouts": rows,
         "median_abs_error": statistics.median(errors),
         "max_abs_error": max(errors),

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
-from tidal_agent.sharing import measure_sharing, probe_processes
+from tidal_agent import sharing
 from tidal_agent.trainer import model_config, params_sha256
 from tidal_agent.worker import WorkerOptions, profile_window, worker_main
 from tidal_agent.world import Rendezvous
@@ -121,16 +122,17 @@ def run_elastic(
         for me in workers
     }
     started = time.perf_counter()
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the spawned interpreters
-    try:
-        for proc in procs.values():
-            proc.start()
-    finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
+    with _SPAWNING:  # runs at once (the sharing probe's copies) each restore the environment
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the spawned interpreters
+        try:
+            for proc in procs.values():
+                proc.start()
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_threads
     try:
         collected = _collect(procs, events, on_step, timeout_s)
     finally:
@@ -164,17 +166,31 @@ def run_elastic(
 
 
 def _add_sharing(profile_path: str, job: ElasticTrainingJob, threads: int) -> None:
-    """Add the host's sharing probe, for the profiled layout, to the profile the run wrote.
-
-    It runs once the workers are gone, on cores nobody else of the job uses.
+    """Add the host's sharing probe (``tidal_agent.sharing``) to the profile the run wrote:
+    copies of the profiled run at once, once its workers are gone.
     """
     path = Path(profile_path)
     profile = json.loads(path.read_text())
     layout = Layout(**profile["layout"])
-    print(f"profile: timing shared cores ({probe_processes(threads)} processes, about 12 s)...",
+    copies = sharing.sharing_copies(layout.world_size, threads)
+    if not copies:
+        return
+    steps = sharing.WARMUP + sharing.STEPS
+    # The copies train the job from its start, and keep no checkpoint.
+    quiet = job.model_copy(update={"spec": job.spec.model_copy(update={
+        "checkpoint": job.spec.checkpoint.model_copy(update={"every_steps": 0})})})
+
+    def train() -> list[float]:
+        report = run_local(quiet, layout, steps=steps, threads=threads)
+        return [step["seconds"] for step in report["steps"][sharing.WARMUP:]]
+
+    print(f"profile: timing shared cores ({copies} copies of the run at once, {steps} steps)...",
           file=sys.stderr, flush=True)
-    profile["sharing"] = measure_sharing(job.spec, layout, threads=threads)
+    profile["sharing"] = sharing.measure_sharing(train, copies)
     path.write_text(json.dumps(profile, indent=2) + "\n")
+
+
+_SPAWNING = threading.Lock()
 
 
 class _Collected:

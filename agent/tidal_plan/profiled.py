@@ -21,18 +21,19 @@ any other layout of the same model on the same machine. What it holds and how it
   than a running pipeline sees them, so both are stretched by one factor (at least 1) with
   which the dry run of the profiled layout takes as long as its plain profiled steps did;
 - the step's two all-reduces (gradient norms and step loss), timed in the profiled world;
-- on a CPU host, what a core shared by two ranks costs beyond halving their speed
-  (``sharing``: ``tidal_agent.sharing`` times the profiled stages' work with two processes
-  per core against one), for layouts with more ranks than cores.
+- on a CPU host, what time-shared cores cost a step beyond processor sharing (``sharing``):
+  ``tidal_agent.sharing`` runs copies of the profiled run at once, two ranks per core, and
+  their median step over the dry run of the same copies is the factor, for layouts with
+  more ranks than cores.
 
 A stage action costs its kind's overhead plus its units' costs, times ``in_run``; posting
 sends and receives is added to the compute action they follow or precede. The lowered schedule
 runs through the dry-run simulator on a ``Machine`` with the host's cores (``cores / threads``
-ranks compute at full speed at once; more share them, at the cost ``sharing`` measured), the
-rendezvous delay and the message work, which competes for the cores while the transport
-handles the message; the step adds the slowest rank's post-pipeline work and the two
-all-reduces, which grow with the ranks taking part (``(W - 1) / (W_profiled - 1)``, the steps
-of a ring).
+ranks compute at full speed at once; more share them), the rendezvous delay and the message
+work, which competes for the cores while the transport handles the message; the step adds
+the slowest rank's post-pipeline work, both slowed by ``sharing`` in proportion to the cores
+that two ranks share (``min(1, ranks / cores - 1)``), and the two all-reduces, which grow
+with the ranks taking part (``(W - 1) / (W_profiled - 1)``, the steps of a ring).
 
 Why those message costs: gloo sends a message only once the receiver has posted its RECV. A
 receiver that lags behind its sender (GPipe's forwards, any rank slower than the one before
@@ -128,7 +129,7 @@ class Profile:
     calibration: Calibration | None = None
     rendezvous_s: float = 0.0  # a message's delay when its RECV is posted after its SEND
     message_work_s: float = 0.0  # CPU seconds one end of a message costs its process
-    sharing: float = 1.0  # a pass's work on a core shared by two ranks, over one's own
+    sharing: float = 1.0  # a step on cores shared by two ranks each, over processor sharing
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -148,7 +149,6 @@ class Profile:
                 threads=data.get("threads", 1),
                 rendezvous_s=data.get("rendezvous_s", 0.0),
                 message_work_s=data.get("message_work_s", 0.0),
-                sharing=max(1.0, data.get("sharing", {}).get("work_factor", 1.0)),
             )
             if "calibration" not in data:
                 return profile
@@ -161,7 +161,7 @@ class Profile:
             profile, calibration=calibration,
             message_work_s=max(0.0, profile.message_work_s - posting / 4),
         )
-        return _in_pipeline(profile, data)
+        return _shared(_in_pipeline(profile, data), data)
 
 
 def _in_pipeline(profile: Profile, data: dict[str, Any], most: float = 50.0) -> Profile:
@@ -196,6 +196,24 @@ def _in_pipeline(profile: Profile, data: dict[str, Any], most: float = 50.0) -> 
         mid = (low + high) / 2
         low, high = (mid, high) if makespan(mid) < measured else (low, mid)
     return stretched((low + high) / 2)
+
+
+def _shared(profile: Profile, data: dict[str, Any], most: float = 4.0) -> Profile:
+    """The profile with its ``sharing``: the probe's step over its dry run, in [1, ``most``].
+
+    The probe ran ``copies`` copies of the profiled layout at once; they share the cores as
+    that many data-parallel replicas would, each with its own all-reduces.
+    """
+    probe = data.get("sharing") or {}
+    if (not probe.get("step_s") or "layout" not in data or profile.calibration is None
+            or not profile.cores):  # without the cores, nothing tells shared from not
+        return profile
+    layout = Layout(**data["layout"])
+    copies = dataclasses.replace(layout, dp=layout.dp * probe["copies"])
+    sim = _dry_run(profile, copies)
+    predicted = sim.makespan + _post_pipeline(profile, copies) + profile.calibration.collectives_s
+    factor = min(most, max(1.0, probe["step_s"] / predicted))
+    return dataclasses.replace(profile, sharing=factor)
 
 
 def _calibration(data: dict[str, Any], num_units: int) -> Calibration:
@@ -325,7 +343,14 @@ def _linear_costs(profile: Profile, layout: Layout) -> Costs:
 
 def _machine(profile: Profile, layout: Layout) -> Machine:
     return Machine(cores=_cores(profile), replicas=layout.dp, rendezvous=profile.rendezvous_s,
-                   message_work=profile.message_work_s, sharing=profile.sharing)
+                   message_work=profile.message_work_s)
+
+
+def _sharing(profile: Profile, layout: Layout) -> float:
+    """How much slower than processor sharing ``layout`` steps: ``profile.sharing`` where
+    every core is shared by two of its ranks, none where each has a core, linear between."""
+    shared = min(1.0, max(0.0, layout.world_size / _cores(profile) - 1.0))
+    return 1.0 + (profile.sharing - 1.0) * shared
 
 
 def _dry_run(profile: Profile, layout: Layout) -> SimResult:
@@ -356,18 +381,21 @@ def predict_profiled(profile: Profile, layout: Layout, seq_len: int) -> Predicti
         sim.raise_on_deadlock()
         post = profile.optimizer_s_per_byte * max(rank_params) * _contention(profile, layout)
         collectives = 0.0
+        pipeline = sim.makespan
     else:
         sim = _dry_run(profile, layout)
-        post = _post_pipeline(profile, layout)
+        sharing = _sharing(profile, layout)
+        pipeline = sim.makespan * sharing
+        post = _post_pipeline(profile, layout) * sharing
         collectives = _collectives(profile, layout)
-    step = sim.makespan + post + collectives
+    step = pipeline + post + collectives
     tokens = layout.dp * layout.num_micro_batches * layout.micro_batch_size * seq_len
     # State: parameters, gradients and two AdamW moments, all fp32 on this runner.
     peak = tuple(4 * p + a for p, a in zip(rank_params, sim.peak_memory, strict=True))
     return Prediction(
         step_seconds=step,
         tokens_per_second=tokens / step,
-        pipeline_seconds=sim.makespan,
+        pipeline_seconds=pipeline,
         optimizer_seconds=post,
         allreduce_seconds=collectives,
         bubble_fraction=sim.bubble_fraction,

@@ -9,9 +9,8 @@ makespan, bubble, peak activation memory per rank, each rank's timeline and, on 
 rank x step grid with the action each rank is stuck on.
 
 With a ``Machine`` the ranks share its cores (processor sharing): while ``n`` ranks compute
-at once, each runs at ``min(1, cores / n)`` of its speed (and slower still by the machine's
-``sharing`` where cores are time-shared), so a compute action's cost is its work and its span
-stretches while more ranks than cores are busy. The machine's transport also
+at once, each runs at ``min(1, cores / n)`` of its speed, so a compute action's cost is its work
+and its span stretches while more ranks than cores are busy. The machine's transport also
 tells apart the two orders of a message's ends: a RECV posted before its SEND gets the data
 ``Costs.comm`` after the SEND, one posted after it (a rendezvous: the sender's side must answer
 first) ``Machine.rendezvous`` after the RECV.
@@ -132,32 +131,25 @@ class Machine:
     once the receiver's notice reaches the sender's side, whose thread must be woken for it.
     ``message_work`` is the CPU time each end of a message costs its process beside its rank's
     own compute (the transport's threads): nothing while cores are idle, a share of them
-    while every core computes. ``sharing`` is what a core shared by two busy ranks costs
-    beyond halving their speed: the work of a pass grows by that factor (measured by
-    ``tidal_agent.sharing``; cache refills after every switch), in proportion to the cores
-    that are shared while fewer than two ranks per core are busy.
+    while every core computes.
     """
 
     cores: float = math.inf
     replicas: int = 1
     rendezvous: float = 0.0
     message_work: float = 0.0
-    sharing: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.cores > 0 and self.replicas >= 1 and self.rendezvous >= 0
-                and self.message_work >= 0 and self.sharing >= 1):
+                and self.message_work >= 0):
             raise ValueError(
                 f"{self}: cores must be positive, replicas at least 1, rendezvous and "
-                "message_work non-negative, sharing at least 1"
+                "message_work non-negative"
             )
 
     def slowdown(self, busy: float) -> float:
         """How much slower each of ``busy`` ranks (of all replicas) computes than alone."""
-        per_core = busy / self.cores
-        if per_core <= 1.0:
-            return 1.0
-        return per_core * (1.0 + (self.sharing - 1.0) * min(1.0, per_core - 1.0))
+        return max(1.0, busy / self.cores)
 
 
 def simulate(

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tidal_agent.sharing import sharing_copies
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -40,6 +42,9 @@ def test_predictor_bench_runs(tmp_path):
     for key in ("median_abs_error", "max_abs_error", "choice_gap"):
         assert math.isfinite(report[key]) and report[key] >= 0
     assert len(report["layouts"]) == 3
-    assert report["profile"]["sharing"]["work_factor"] > 0  # the host's probe ran
+    (profile,) = report["profiles"]  # one round
+    probe = profile["sharing_probe"]  # the host's probe ran: copies of the pp=2 profiled run
+    assert probe["copies"] == sharing_copies(2) and len(probe["steps"]) == probe["copies"]
+    assert probe["step_s"] > 0 and profile["sharing"] >= 1.0
     for row in report["layouts"]:
         assert row["predicted_s"] > 0 and row["measured_s"] > 0

@@ -1,11 +1,11 @@
 """Online profiling measures every unit during real steps and changes no bit of the run."""
 
 import json
-import os
 
 import pytest
 
 from tests.integration.test_cli import TINY, tidal
+from tidal_agent.sharing import sharing_copies
 from tidal_plan.profiled import load_profile
 
 pytestmark = pytest.mark.slow
@@ -43,11 +43,9 @@ def test_profile_covers_every_unit_and_keeps_the_bits(tmp_path):
     assert {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"} <= data["actions_s"].keys()
     assert data["collectives_s"] > 0
     assert set(data["step_parts"]) == {"0", "1", "2"}
-    # The sharing probe: two processes per core against one, after the run.
-    sharing = data["sharing"]
-    assert sharing["processes"] == 2 * os.cpu_count() and sharing["ranks_per_core"] == 2
-    assert sharing["alone_cpu_s"] > 0 and sharing["shared_cpu_s"] > 0
-    assert 0.5 < sharing["work_factor"] < 4  # a CPU second does less on a shared core
-    assert "timing shared cores" in result.stderr
+    # The sharing probe runs copies of a run that leaves cores to share; 3 ranks on 2 do not.
+    copies = sharing_copies(3)
+    assert data.get("sharing", {}).get("copies", 0) == copies
+    assert ("timing shared cores" in result.stderr) == bool(copies)
     loaded = load_profile(profile)
-    assert loaded.calibration is not None and loaded.sharing == max(1.0, sharing["work_factor"])
+    assert loaded.calibration is not None and loaded.sharing >= 1.0

@@ -1,6 +1,8 @@
+import dataclasses
+
 import pytest
 
-from tidal_plan.layout import build_layout
+from tidal_plan.layout import Layout, build_layout
 from tidal_plan.ir import Action
 from tidal_plan.profiled import Affine, Profile, ProfileError, predict_profiled, profiled_costs
 from tidal_plan.simulate import Costs, Machine, plan_step, simulate
@@ -83,8 +85,13 @@ def _calibrated(*, cores=0, actions=None, messages=None, step_parts=None, overhe
     data.update(messages or {})
     if step_parts is not None:
         data["step_parts"] = step_parts
-    if sharing is not None:
-        data["sharing"] = {"ranks_per_core": 2, "work_factor": sharing}
+    if sharing is not None:  # the probe's step, as a multiple of its dry run's
+        plain = Profile.from_dict(data)
+        copies = dataclasses.replace(Layout(**data["layout"]), dp=2)
+        predicted = predict_profiled(plain, copies, 16)
+        step = predicted.step_seconds - predicted.allreduce_seconds + collectives
+        data["sharing"] = {"copies": 2, "steps": [[step * sharing]] * 2,
+                           "step_s": step * sharing}
     return Profile.from_dict(data)
 
 
@@ -227,42 +234,28 @@ def test_handling_messages_takes_cores_from_compute():
     assert simulate(layout, lowered, costs, Machine(cores=2, message_work=0.5)).makespan > crowded
 
 
-def test_a_shared_core_costs_its_measured_factor_beyond_halving():
-    machine = Machine(cores=2, sharing=1.3)
-    assert [machine.slowdown(b) for b in (1, 2)] == [1.0, 1.0]  # a core each: no sharing
-    assert machine.slowdown(4) == pytest.approx(2 * 1.3)  # two per core: half speed, x1.3
-    assert machine.slowdown(3) == pytest.approx(1.5 * 1.15)  # one core of two is shared
-    assert machine.slowdown(8) == pytest.approx(4 * 1.3)
-    assert Machine(cores=2).slowdown(4) == 2.0  # processor sharing alone
-
-
-def test_sharing_slows_only_layouts_with_more_ranks_than_cores():
-    costs = Costs(forward=1.0, input_grad=1.0, weight_grad=0.5)
-    for workers, slower in ((2, False), (4, True)):
-        layout = build_layout(num_units=4, workers=workers, micro_batch_size=1,
-                              num_micro_batches=4)
-        lowered = plan_step(layout)
-        plain = simulate(layout, lowered, costs, Machine(cores=2)).makespan
-        shared = simulate(layout, lowered, costs, Machine(cores=2, sharing=1.3)).makespan
-        assert (shared > plain * 1.05) is slower, workers
-        assert shared <= plain * 1.3 + 1e-9
-
-
 def test_the_profile_carries_the_sharing_probe():
     assert _calibrated(cores=2).sharing == 1.0  # no probe: processor sharing alone
-    layout = build_layout(num_units=4, workers=4, micro_batch_size=2, num_micro_batches=4)
     probed = _calibrated(cores=2, sharing=1.25)
-    assert probed.sharing == 1.25
-    plain = predict_profiled(_calibrated(cores=2), layout, 16)
-    slow = predict_profiled(probed, layout, 16)
-    assert slow.pipeline_seconds > plain.pipeline_seconds
-    assert slow.optimizer_seconds == pytest.approx(1.25 * plain.optimizer_seconds)
-    assert _calibrated(cores=2, sharing=0.9).sharing == 1.0  # a core of its own at best
+    assert probed.sharing == pytest.approx(1.25)  # the copies' step over their dry run
+    assert _calibrated(cores=2, sharing=0.9).sharing == 1.0  # processor sharing at best
+    assert _calibrated(cores=2, sharing=9.0).sharing == 4.0  # a probe run under load
+    assert _calibrated(cores=0, sharing=1.25).sharing == 1.0  # unknown cores: never shared
+
+
+def test_sharing_slows_layouts_as_their_ranks_outnumber_the_cores():
+    plain, probed = _calibrated(cores=2), _calibrated(cores=2, sharing=1.25)
+    for workers, slower in ((1, 1.0), (2, 1.0), (3, 1.125), (4, 1.25)):
+        layout = build_layout(num_units=4, workers=workers, micro_batch_size=2,
+                              num_micro_batches=4)
+        a, b = predict_profiled(plain, layout, 16), predict_profiled(probed, layout, 16)
+        assert b.pipeline_seconds == pytest.approx(slower * a.pipeline_seconds), workers
+        assert b.optimizer_seconds == pytest.approx(slower * a.optimizer_seconds), workers
+        assert b.allreduce_seconds == a.allreduce_seconds
 
 
 def test_machine_errors():
-    for bad in ({"cores": 0}, {"replicas": 0}, {"rendezvous": -1.0}, {"message_work": -1.0},
-                {"sharing": 0.9}):
+    for bad in ({"cores": 0}, {"replicas": 0}, {"rendezvous": -1.0}, {"message_work": -1.0}):
         with pytest.raises(ValueError, match="cores must be positive"):
             Machine(**bad)
 
