@@ -25,7 +25,7 @@ profile measured (``profiles``); ``median_abs_error``, ``max_abs_error`` and ``c
 per worker count, measured(lowest predicted) / measured(lowest measured) - 1, the worst over
 worker counts.
 
-    python bench/predictor.py [--job examples/tiny.yaml] [--steps 8] [--rounds 3]
+    python bench/predictor.py [--job examples/tiny.yaml] [--steps 8] [--rounds 5]
                               [--quiet-wait 20] [--json FILE] [--profile-dir DIR]
 """
 
@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--job", default=str(ROOT / "examples" / "tiny.yaml"))
     parser.add_argument("--steps", type=int, default=8, help="timed steps per candidate run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of every candidate")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of every candidate")
     parser.add_argument("--quiet-wait", type=float, default=20.0,
                         help="seconds to wait before each run for other processes to go idle")
     parser.add_argument("--tiny", action="store_true", help="three layouts, few steps")

@@ -4,7 +4,7 @@ The dry run shares a host's cores among the ranks that compute at once (processo
 ``n`` ranks on ``c`` cores each run at ``c / n`` of their speed. A pipeline whose ranks
 outnumber the cores pays more than that. Traced on this project's 2-core host (width-128
 job, ``/proc/<pid>/task/*/stat`` between steps): from 2 ranks to 4 the step's CPU seconds grew
-by a quarter (the blocks' own by a tenth, the transport's threads from 9 to 52 ms per step)
+by a quarter (the blocks' own by a tenth, the transport's threads from 9 to 54 ms per step)
 and the cores still idled a fifth of the step, where the dry run fills them: every message
 wakes two threads, each on a core another rank holds, with a cache full of that rank's
 tensors. A probe that only computes (two processes per core against one, without messages)
