@@ -187,7 +187,8 @@ def main() -> None:
     base = candidates(doc, [(2, "1f1b", 1, None, 1)])[0][0]
     seq_len = base_job.spec.model.seq_len
 
-    profiles: list[dict] = []  # per round: the profile it took and what it predicts
+    profiles: list[dict] = []  # per round: what its profile measured
+    predicted: list[list[float]] = [[] for _ in runs]  # per candidate, per round
     times: list[list[list[float]]] = [[] for _ in runs]  # per candidate, per round
     outside: list[list[float | None]] = [[] for _ in runs]
     for round_ in range(args.rounds):
@@ -195,19 +196,16 @@ def main() -> None:
         profile_doc, load = take_profile(base_job, base, 3 * args.quiet_wait)
         profile = Profile.from_dict(profile_doc)
         profiles.append({
+            "message_latency_s": profile.p2p_seconds,
+            "rendezvous_s": profile.rendezvous_s,
+            "message_work_s": profile.message_work_s,
+            "in_run": profile.calibration.in_run if profile.calibration else None,
+            "sharing": profile.sharing,
+            "sharing_probe": profile_doc.get("sharing"),
             "outside_cores": load,
-            "predicted_s": [predict_profiled(profile, layout, seq_len).step_seconds
-                            for layout, _ in runs],
-            "summary": {
-                "message_latency_s": profile.p2p_seconds,
-                "rendezvous_s": profile.rendezvous_s,
-                "message_work_s": profile.message_work_s,
-                "in_run": profile.calibration.in_run if profile.calibration else None,
-                "sharing": profile.sharing,
-                "sharing_probe": profile_doc.get("sharing"),
-                "outside_cores": load,
-            },
         })
+        for (layout, _), rounds in zip(runs, predicted, strict=True):
+            rounds.append(predict_profiled(profile, layout, seq_len).step_seconds)
         if args.profile_dir:
             args.profile_dir.mkdir(parents=True, exist_ok=True)
             (args.profile_dir / f"round-{round_ + 1}.json").write_text(
@@ -223,18 +221,19 @@ def main() -> None:
             outside[i].append(load)
 
     rows = []
-    for i, ((layout, _), measured, loads) in enumerate(zip(runs, times, outside, strict=True)):
-        predicted = [round_["predicted_s"][i] for round_ in profiles]
+    for (layout, _), pred_rounds, measured, loads in zip(runs, predicted, times, outside,
+                                                         strict=True):
+        pred = statistics.median(pred_rounds)
         meas = statistics.median(t for run in measured for t in run)
         rows.append({
             "layout": layout.describe(),
             "workers": layout.world_size,
-            "predicted_s": statistics.median(predicted),
+            "predicted_s": pred,
             "measured_s": meas,
-            "predicted_rounds_s": predicted,
+            "predicted_rounds_s": pred_rounds,
             "measured_rounds_s": [statistics.median(run) for run in measured],
             "outside_cores": loads,
-            "error": abs(statistics.median(predicted) - meas) / meas,
+            "error": abs(pred - meas) / meas,
         })
     print(f"{'layout':36s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}  outside cores",
           file=sys.stderr)
@@ -250,7 +249,7 @@ def main() -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
-        "profiles": [round_["summary"] for round_ in profiles],
+        "profiles": profiles,
         "layouts": rows,
         "median_abs_error": statistics.median(errors),
         "max_abs_error": max(errors),

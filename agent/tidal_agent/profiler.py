@@ -308,7 +308,7 @@ def calibrate_stage(
         times: dict[str, list[float]] = {kind: [] for kind in CALIBRATED}
         for m in sizes:
             # The first pass warms up (allocations, the optimizer's state) and is dropped.
-            runs = [time_group(group, m, tokens, opt) for _ in range(repeats + 1)][1:]
+            runs = [_time_group(group, m, tokens, opt) for _ in range(repeats + 1)][1:]
             for kind in CALIBRATED:
                 times[kind].append(statistics.median(run[kind] for run in runs))
         if i < len(singles):
@@ -318,7 +318,7 @@ def calibrate_stage(
     return out
 
 
-def time_group(group: list[Unit], m: int, tokens, opt) -> dict[str, float]:
+def _time_group(group: list[Unit], m: int, tokens, opt) -> dict[str, float]:
     """One F, B, F, I, W and post-pipeline pass of ``group`` on ``m`` samples, timed."""
     config = group[0].config
     last = group[-1].index == config.num_units - 1

@@ -23,15 +23,18 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tidal_agent import sharing
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
-from tidal_agent import sharing
 from tidal_agent.trainer import model_config, params_sha256
 from tidal_agent.worker import WorkerOptions, profile_window, worker_main
 from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob
 from tidal_plan.elastic import Generation, all_workers, data_parallel_degree, generations
 from tidal_plan.layout import Layout, ScheduleKind, build_layout
+
+
+_SPAWNING = threading.Lock()  # held while a launch sets the environment its workers inherit
 
 
 class RunError(RuntimeError):
@@ -188,9 +191,6 @@ def _add_sharing(profile_path: str, job: ElasticTrainingJob, threads: int) -> No
           file=sys.stderr, flush=True)
     profile["sharing"] = sharing.measure_sharing(train, copies)
     path.write_text(json.dumps(profile, indent=2) + "\n")
-
-
-_SPAWNING = threading.Lock()
 
 
 class _Collected:

@@ -65,7 +65,7 @@ def measure_sharing(train: Callable[[], list[float]], copies: int) -> dict[str, 
         thread.join()
     if errors:
         raise RuntimeError(f"the sharing probe failed: {errors[0]}") from errors[0]
-    steps = [seconds for copy in results for seconds in copy or []]
+    steps = [seconds for copy in results if copy for seconds in copy]
     if not steps:
         raise RuntimeError("the sharing probe timed no step")
     return {"copies": copies, "steps": results, "step_s": statistics.median(steps)}

@@ -417,9 +417,7 @@ def _post_pipeline(profile: Profile, layout: Layout) -> float:
         ))
         for r in range(layout.pp)
     ]
-    # All ranks at once: the mean rank's work, slower where the ranks outnumber the cores.
-    shared = sum(per_rank) / layout.pp * _machine(profile, layout).slowdown(layout.world_size)
-    return max(max(per_rank), shared)
+    return max(max(per_rank), layout.dp * sum(per_rank) / _cores(profile))
 
 
 def _collectives(profile: Profile, layout: Layout) -> float:

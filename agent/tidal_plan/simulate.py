@@ -147,10 +147,6 @@ class Machine:
                 "message_work non-negative"
             )
 
-    def slowdown(self, busy: float) -> float:
-        """How much slower each of ``busy`` ranks (of all replicas) computes than alone."""
-        return max(1.0, busy / self.cores)
-
 
 def simulate(
     layout: Layout,
@@ -351,7 +347,7 @@ class _SharedReplay(_Replay):
     def __init__(self, layout: Layout, lowered: Mapping[int, Sequence[Action]], costs: Costs,
                  machine: Machine):
         super().__init__(layout, lowered, costs)
-        self.machine = machine
+        self.cores = machine.cores / machine.replicas  # per pipeline
         self.rendezvous = machine.rendezvous
         self.message_work = machine.message_work
         self.jobs: list[float] = []  # work left of the messages being handled
@@ -368,8 +364,7 @@ class _SharedReplay(_Replay):
                     return  # finished, or deadlocked
                 now = waking
                 continue
-            busy = len(running) + len(self.jobs)  # of one pipeline; the replicas alike
-            rate = 1.0 / self.machine.slowdown(busy * self.machine.replicas)
+            rate = min(1.0, self.cores / (len(running) + len(self.jobs)))
             least = min([self.left[rank] for rank in running] + self.jobs)
             if waking < now + least / rate:  # a message comes before any work ends
                 done, now = (waking - now) * rate, waking
