@@ -8,9 +8,12 @@ the traces and the worst queue ratio, and the wall seconds of each trace's run (
 static included; the largest trace's against the 60 s target). Prints JSON.
 
     python bench/sim.py [--traces DIR] [--out DIR] [--doc FILE] [--json FILE] [--seed 0]
-                        [--load 0.8] [--share 0.3]
+                        [--load 0.8] [--share 0.3] [--cluster default|elasticflow]
 
 ``--load`` and ``--share`` change the defaults of ``tidal sim`` for a sensitivity run.
+``--cluster elasticflow`` replaces the default cluster size by the one the traces' publishers
+simulated each trace on (ElasticFlow's artifact, ``scheduler/run_fig8b.sh``: 64 nodes of 8
+GPUs, 128 for cluster04/07/08/09, 32 for the others).
 
 ``--out DIR`` also writes each run's report and plots under ``DIR/<trace>-<tables>/``;
 ``--doc FILE`` puts the Markdown tables into FILE between its ``<!-- sim:begin -->`` and
@@ -38,6 +41,18 @@ from tidal_operator.sim.trace import DEFAULT_LOAD, DEFAULT_SHARE  # noqa: E402
 
 TARGETS = {"pp": 1.55, "dp-pp": 2.27}  # FlexTrain's geometric-mean elastic JCT speedups
 ELASTIC = ("pp", "dp-pp")
+
+
+def elasticflow_nodes(trace: Path) -> int:
+    """The nodes ElasticFlow's artifact (pkusys/ElasticFlow, scheduler/run_fig8b.sh) simulates
+    the ITP trace ``trace`` on: n64g8 for clusters 01, 02, 03, 05 and 06, n128g8 for 04, 07,
+    08 and 09, n32g8 for the rest."""
+    name = trace.stem
+    if name in ("cluster01", "cluster02", "cluster03", "cluster05", "cluster06"):
+        return 64
+    if name in ("cluster04", "cluster07", "cluster08", "cluster09"):
+        return 128
+    return 32
 
 
 def geomean(values: list[float]) -> float:
@@ -87,6 +102,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load", type=float, default=DEFAULT_LOAD)
     parser.add_argument("--share", type=float, default=DEFAULT_SHARE)
+    parser.add_argument("--cluster", choices=("default", "elasticflow"), default="default",
+                        help="cluster size: tidal sim's default, or ElasticFlow's per trace")
     args = parser.parse_args()
     traces = sorted(args.traces.glob("*.csv"))
     if not traces:
@@ -96,8 +113,9 @@ def main() -> None:
     for elastic in ELASTIC:
         for trace in traces:
             started = time.perf_counter()
+            nodes = elasticflow_nodes(trace) if args.cluster == "elasticflow" else None
             report, runs = run_trace(trace, elastic=elastic, seed=args.seed, load=args.load,
-                                     share=args.share, console=console)
+                                     share=args.share, nodes=nodes, console=console)
             report["seconds"] = time.perf_counter() - started
             print_table(report, console)
             if args.out is not None:
@@ -120,7 +138,8 @@ def main() -> None:
             }
     largest = max(traces, key=lambda t: t.stat().st_size)
     out = {
-        "benchmark": "sim", "seed": args.seed, "load": args.load, "share": args.share, "traces": [t.name for t in traces],
+        "benchmark": "sim", "seed": args.seed, "load": args.load, "share": args.share,
+        "cluster": args.cluster, "traces": [t.name for t in traces],
         "targets": TARGETS, "summary": summary,
         "largest_trace": largest.name,
         "largest_trace_seconds": {r["elastic"]: r["seconds"] for r in results

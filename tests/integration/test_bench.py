@@ -48,3 +48,31 @@ def test_predictor_bench_runs(tmp_path):
     assert probe["step_s"] > 0 and profile["sharing"] >= 1.0
     for row in report["layouts"]:
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
+
+
+def test_sim_bench_runs_with_either_cluster_size(tmp_path):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    # a: a long 8-GPU job, elastic under --share 0.9; b and c arrive while it has grown
+    (traces / "cluster04.csv").write_text("job_id,submission_time,duration,num_gpu\n"
+                                          "a,0,100000,8\nb,5000,100,8\nc,6000,50,1\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text("head\n<!-- sim:begin -->\nold\n<!-- sim:end -->\ntail\n")
+    reports = {}
+    for cluster in ("default", "elasticflow"):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "sim.py"), "--traces", str(traces),
+             "--share", "0.9", "--cluster", cluster, "--doc", str(doc)],
+            capture_output=True, text=True, timeout=300, cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stderr
+        reports[cluster] = json.loads(result.stdout)
+    # default: 4x the elastic job's one node; ElasticFlow simulates cluster04 on 128 nodes
+    assert [r["nodes"] for r in reports["default"]["runs"]] == [4, 4]
+    assert [r["nodes"] for r in reports["elasticflow"]["runs"]] == [128, 128]
+    assert reports["elasticflow"]["cluster"] == "elasticflow"
+    for report in reports.values():
+        assert report["summary"]["dp-pp"]["tidal"]["jct_speedup_geomean"] > 1.0
+    text = doc.read_text()
+    assert text.startswith("head\n<!-- sim:begin -->\n#### PP-only") and text.endswith("tail\n")
+    assert "| cluster04 | 128 (1024) | 1 of 3 |" in text
