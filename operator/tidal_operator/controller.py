@@ -31,7 +31,7 @@ from tidal_operator import builders
 from tidal_operator.adapter import Adapter, ApiUnavailable, parse_time, rfc3339
 from tidal_operator.metrics import Metrics
 from tidal_operator.policy import Decision, decide
-from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
+from tidal_operator.snapshot import ElasticJob, Node, Placement, Pod, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ def pod_view(body: Mapping[str, Any], resource: str) -> Pod:
         job=f"{meta.get('namespace', 'default')}/{job}" if job else None,
         unschedulable=unschedulable,
         created=parse_time(meta.get("creationTimestamp")) or 0.0,
+        placement=Placement.of(spec.get("nodeSelector"), spec.get("tolerations")),
     )
 
 
@@ -235,6 +236,7 @@ class Controller:
             switch_seconds=(status.last_switch_seconds if status.last_switch_seconds is not None
                             else spec.scaling.switch_overhead_seconds),
             enabled=spec.scaling.enabled,
+            placement=Placement.of(spec.template.node_selector, spec.template.tolerations),
         )
 
     def _job_pods(self, state: _JobState) -> dict[str, Pod]:

@@ -16,7 +16,7 @@ from tidal_api import GROUP, VERSION
 from tidal_operator.adapter import Adapter, ApiUnavailable
 from tidal_operator.controller import Config, Controller, gpus_of, pod_view
 from tidal_operator.metrics import Metrics
-from tidal_operator.snapshot import Node
+from tidal_operator.snapshot import Node, node_of
 
 ETJ = (GROUP, VERSION, "elastictrainingjobs")
 
@@ -28,10 +28,12 @@ _state: dict[str, Any] = {}
 
 
 @kopf.index("nodes")
-def gpu_nodes(name: str, status: kopf.Status, spec: kopf.Spec, **_: Any) -> dict[str, Node]:
+def gpu_nodes(name: str, status: kopf.Status, spec: kopf.Spec, meta: kopf.Meta,
+              **_: Any) -> dict[str, Node]:
     if spec.get("unschedulable"):
         return {}
-    return {name: Node(name=name, gpus=gpus_of(status.get("allocatable"), CONFIG.gpu_resource))}
+    return {name: node_of(name, gpus_of(status.get("allocatable"), CONFIG.gpu_resource),
+                          meta.get("labels"), spec.get("taints"))}
 
 
 @kopf.index("pods")

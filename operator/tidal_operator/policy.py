@@ -14,6 +14,10 @@ already releases count as free, so a pod waiting for a drain does not cost a sec
 
 **Scale up** only when no pod is pending, GPUs are idle and no elastic worker pod waits for a
 node (GPUs promised to a joiner are not counted twice); see :func:`_scale_up`.
+
+Both count only the nodes a pod may run on (:class:`~tidal_operator.snapshot.Placement`: its
+node selector, and tolerations for the nodes' NoSchedule and NoExecute taints): a job's new
+workers go where its pods may, and GPUs are freed for a pending pod only where it may run.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tidal_api import ScaleTable
-from tidal_operator.snapshot import FINISHED_PHASES, ElasticJob, Pod, Snapshot
+from tidal_operator.snapshot import FINISHED_PHASES, ElasticJob, Placement, Pod, Snapshot
 
 IDLE_GPUS = "IdleGPUs"
 PENDING_GPU_PODS = "PendingGPUPods"
@@ -73,11 +77,33 @@ def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
             free[pod.node] -= pod.gpus
             if pod.job is not None:
                 workers[pod.key] = pod
+    where = _Where(snapshot)
     if pending:
-        return _scale_down(snapshot, free, pending, workers)
+        return _scale_down(snapshot, free, pending, workers, where)
     if joiner_unbound:
         return ()
-    return _scale_up(snapshot, _FreeGPUs(free), now)
+    return _scale_up(snapshot, _FreeGPUs(free), now, where)
+
+
+class _Where:
+    """The nodes each placement allows, once per distinct placement: None for all of them
+    (no selector, and no node has a taint that keeps pods off)."""
+
+    __slots__ = ("_nodes", "_open", "_seen")
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._nodes = snapshot.nodes
+        self._open = (not any(node.taints for node in snapshot.nodes)
+                      or all(node.open_to_all for node in snapshot.nodes))
+        self._seen: dict[Placement, frozenset[str] | None] = {}
+
+    def __call__(self, placement: Placement) -> frozenset[str] | None:
+        if self._open and not placement.node_selector:
+            return None
+        if placement not in self._seen:
+            self._seen[placement] = frozenset(
+                n.name for n in self._nodes if placement.allows(n))
+        return self._seen[placement]
 
 
 def arrival_rate(arrivals: list[float], now: float, window: float) -> float:
@@ -100,15 +126,23 @@ class _FreeGPUs:
                 self.idle += free[name]
                 self._buckets.setdefault(free[name], []).append(name)
 
-    def slots(self, size: int) -> int:
-        """How many pods of ``size`` GPUs fit, each on one node."""
-        return sum(len(names) * (amount // size)
+    def slots(self, size: int, allowed: frozenset[str] | None = None) -> int:
+        """How many pods of ``size`` GPUs fit, each on one node (of ``allowed``, if given)."""
+        return sum((len(names) if allowed is None else sum(n in allowed for n in names))
+                   * (amount // size)
                    for amount, names in self._buckets.items() if amount >= size)
 
-    def tightest(self, size: int) -> str | None:
-        """The node with the fewest free GPUs that still fits ``size`` (best fit)."""
+    def tightest(self, size: int, allowed: frozenset[str] | None = None) -> str | None:
+        """The node with the fewest free GPUs that still fits ``size`` (best fit), among
+        ``allowed`` if given."""
         amounts = [amount for amount in self._buckets if amount >= size]
-        return self._buckets[min(amounts)][0] if amounts else None
+        if allowed is None:
+            return self._buckets[min(amounts)][0] if amounts else None
+        for amount in sorted(amounts):
+            for name in self._buckets[amount]:
+                if name in allowed:
+                    return name
+        return None
 
     def add(self, node: str, gpus: int) -> None:
         old = self.free[node]
@@ -139,21 +173,22 @@ class _Rows:
         return bisect_right(self.workers, workers) - 1
 
 
-def _scale_up(snapshot: Snapshot, free: _FreeGPUs, now: float) -> tuple[Decision, ...]:
+def _scale_up(snapshot: Snapshot, free: _FreeGPUs, now: float,
+              where: _Where) -> tuple[Decision, ...]:
     """Give idle GPUs to the jobs with the fewest workers first (then by key).
 
-    For each job in turn: the rows above its count, up to its cap (maxWorkers and
-    maxScaleFactor x minWorkers) and as far as new workers fit on the idle GPUs (each worker
-    on one node, best fit), are the candidates; it takes the one with the most tokens/s, the
-    largest gain ``g`` over its current row. That row must gain at least ``minGain`` and pass
-    the Poisson rule: non-elastic pods arrive at rate ``r`` (counted over the job's arrival
-    window, else the snapshot's), so the idle window ``T`` is exponential and the scale-up pays when
-    ``g x T > overhead``, with probability ``P = exp(-r x overhead / g)``, which must exceed
-    ``probabilityThreshold``. The overhead is *two* switches, ``2 x switch_seconds``: the
-    window ends with the arrival that takes the GPUs back, and that scale-down pauses the job
-    as long as this scale-up does. ``P`` and the gain both grow with throughput, so no
-    smaller candidate passes where the chosen one fails. The job's new workers then leave
-    the pool for the jobs after it.
+    For each job in turn: the rows above its count, up to its cap (maxWorkers and maxScaleFactor
+    x minWorkers) and as far as new workers fit on the idle GPUs of the nodes its placement
+    allows (each worker on one node, best fit), are the candidates; it takes the one with the
+    most tokens/s, the largest gain ``g`` over its current row. That row must gain at least
+    ``minGain`` and pass the Poisson rule: non-elastic pods arrive at rate ``r`` (counted over
+    the job's arrival window, else the snapshot's), so the idle window ``T`` is exponential and
+    the scale-up pays when ``g x T > overhead``, with probability ``P = exp(-r x overhead /
+    g)``, which must exceed ``probabilityThreshold``. The overhead is *two* switches, ``2 x
+    switch_seconds``: the window ends with the arrival that takes the GPUs back, and that
+    scale-down pauses the job as long as this scale-up does. ``P`` and the gain both grow with
+    throughput, so no smaller candidate passes where the chosen one fails. The job's new workers
+    then leave the pool for the jobs after it.
     """
     if free.idle <= 0:
         return ()
@@ -162,14 +197,15 @@ def _scale_up(snapshot: Snapshot, free: _FreeGPUs, now: float) -> tuple[Decision
     for job in sorted(snapshot.jobs, key=lambda j: (j.workers, j.key)):
         if free.idle <= 0:
             break
-        decision = _grow(job, free, arrivals, snapshot.window_seconds, now)
+        decision = _grow(job, free, where(job.placement), arrivals, snapshot.window_seconds,
+                         now)
         if decision is not None:
             decisions.append(decision)
     return tuple(decisions)
 
 
-def _grow(job: ElasticJob, free: _FreeGPUs, arrivals: list[float], window: float,
-          now: float) -> Decision | None:
+def _grow(job: ElasticJob, free: _FreeGPUs, allowed: frozenset[str] | None,
+          arrivals: list[float], window: float, now: float) -> Decision | None:
     if not job.enabled or job.busy or job.scale_table is None:
         return None
     if job.last_scale_time is not None and now - job.last_scale_time < job.cooldown_seconds:
@@ -177,7 +213,7 @@ def _grow(job: ElasticJob, free: _FreeGPUs, arrivals: list[float], window: float
     rows = _Rows.of(job.scale_table)
     here = rows.at_most(job.workers)
     first = bisect_right(rows.workers, job.workers)
-    last = rows.at_most(min(job.cap, job.workers + free.slots(job.gpus_per_worker)))
+    last = rows.at_most(min(job.cap, job.workers + free.slots(job.gpus_per_worker, allowed)))
     if here < 0 or last < first:
         return None
     best = max(range(first, last + 1), key=lambda i: (rows.tps[i], -i))
@@ -193,7 +229,7 @@ def _grow(job: ElasticJob, free: _FreeGPUs, arrivals: list[float], window: float
     to_workers = rows.workers[best]
     nodes = []
     for _ in range(to_workers - job.workers):
-        node = free.tightest(job.gpus_per_worker)
+        node = free.tightest(job.gpus_per_worker, allowed)
         assert node is not None, "slots() counted a place that tightest() cannot find"
         free.add(node, -job.gpus_per_worker)
         nodes.append(node)
@@ -291,20 +327,22 @@ def _plans(jobs: list[_Shrinkable], node: str, capacity: int) -> list[_Plan | No
 
 
 def _scale_down(
-    snapshot: Snapshot, free_by_node: dict[str, int], pending: list[Pod], workers: dict[str, Pod]
+    snapshot: Snapshot, free_by_node: dict[str, int], pending: list[Pod], workers: dict[str, Pod],
+    where: _Where,
 ) -> tuple[Decision, ...]:
     """Make room for the pending pods, oldest first (creation time, then key).
 
-    A pod that fits on some node's free GPUs (best fit) takes them and needs nothing. Else,
-    on each node, the cheapest plan frees the GPUs it lacks there; the cheapest over the
-    nodes wins (then the node name). A plan's cost is the jobs' lost tokens/s as fractions
-    of their throughput at the start of this call, summed: absolute tokens/s of different
-    models do not compare, and the relative loss of one more worker is small for a large job
-    and large for a small one, the mirror of the fewest-workers-first scale-up. Minimising
-    the summed loss for the GPUs needed takes them from the jobs that lose least per freed
-    GPU, and shrinks each only as far as needed. Jobs that are busy, disabled, without a
-    scale table, or whose members are not all bound and labelled theirs are not touched. A
-    pod no plan makes room for just waits; the GPUs of later decisions stay free for others.
+    A pod that fits on the free GPUs of some node it may run on (best fit) takes them and needs
+    nothing. Else, on each node it may run on, the cheapest plan frees the GPUs it lacks there;
+    the cheapest over the nodes wins (then the node name). A plan's cost is the jobs' lost
+    tokens/s as fractions of their throughput at the start of this call, summed: absolute
+    tokens/s of different models do not compare, and the relative loss of one more worker is
+    small for a large job and large for a small one, the mirror of the fewest-workers-first
+    scale-up. Minimising the summed loss for the GPUs needed takes them from the jobs that lose
+    least per freed GPU, and shrinks each only as far as needed. Jobs that are busy, disabled,
+    without a scale table, or whose members are not all bound and labelled theirs are not
+    touched. A pod no plan makes room for just waits; the GPUs of later decisions stay free for
+    others.
     """
     for job in snapshot.jobs:
         for key in job.releasing:
@@ -326,12 +364,13 @@ def _scale_down(
     cache: dict[str, list[_Plan | None]] = {}
     touched: list[_Shrinkable] = []
     for pod in sorted(pending, key=lambda p: (p.created, p.key)):
-        fits = free.tightest(pod.gpus)
+        allowed = where(pod.placement)
+        fits = free.tightest(pod.gpus, allowed)
         if fits is not None:
             free.add(fits, -pod.gpus)
             continue
         chosen: tuple[_Plan, str] | None = None
-        for node in candidates:
+        for node in candidates if allowed is None else [n for n in candidates if n in allowed]:
             lack = pod.gpus - free.free[node]
             if lack > releasable[node] or lack > capacity[node]:
                 continue

@@ -8,20 +8,101 @@ for a thousand nodes and thousands of pods costs little next to the decision its
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tidal_api import ScaleTable
 
 # A pod in one of these phases has given its GPUs back, wherever it is bound.
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+# Taint effects that keep a pod without a matching toleration off a node (PreferNoSchedule
+# only steers the scheduler, so it does not).
+BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"
+
+
+@dataclass(frozen=True, slots=True)
+class Toleration:
+    """A pod's toleration, matched as the scheduler matches it: an empty effect tolerates
+    every effect, ``Exists`` any value (and with an empty key, every taint), ``Equal`` (the
+    default) the same key and value."""
+
+    key: str = ""
+    operator: str = "Equal"
+    value: str = ""
+    effect: str = ""
+
+    def tolerates(self, taint: Taint) -> bool:
+        if self.effect and self.effect != taint.effect:
+            return False
+        if self.key and self.key != taint.key:
+            return False
+        if self.operator == "Exists":
+            return True
+        return bool(self.key) and self.value == taint.value
 
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """A node and its allocatable GPUs."""
+    """A node: its allocatable GPUs, labels and the taints that keep pods off it."""
 
     name: str
     gpus: int
+    labels: frozenset[tuple[str, str]] = frozenset()
+    taints: tuple[Taint, ...] = ()
+
+    @property
+    def open_to_all(self) -> bool:
+        """Whether a pod without a node selector or tolerations may run here."""
+        return not any(t.effect in BLOCKING_EFFECTS for t in self.taints)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a pod may run, as its spec says: ``nodeSelector`` labels and tolerations.
+
+    Node affinity is not read: a pod that needs it may be placed by the policy on a node the
+    scheduler then refuses, and it waits there as any unschedulable pod does.
+    """
+
+    node_selector: frozenset[tuple[str, str]] = frozenset()
+    tolerations: tuple[Toleration, ...] = ()
+
+    @classmethod
+    def of(cls, node_selector: Mapping[str, str] | None,
+           tolerations: Iterable[Mapping[str, Any]] | None) -> Placement:
+        """From a pod spec's ``nodeSelector`` and ``tolerations`` (Kubernetes' field names)."""
+        return cls(
+            frozenset((str(k), str(v)) for k, v in (node_selector or {}).items()),
+            tuple(Toleration(key=t.get("key") or "", operator=t.get("operator") or "Equal",
+                             value=str(t.get("value") or ""), effect=t.get("effect") or "")
+                  for t in tolerations or ()),
+        )
+
+    def allows(self, node: Node) -> bool:
+        """Whether the scheduler may put the pod on ``node``: every selector label there, and
+        every NoSchedule or NoExecute taint tolerated."""
+        return self.node_selector <= node.labels and all(
+            any(t.tolerates(taint) for t in self.tolerations)
+            for taint in node.taints if taint.effect in BLOCKING_EFFECTS)
+
+
+ANYWHERE = Placement()
+
+
+def node_of(name: str, gpus: int, labels: Mapping[str, str] | None,
+            taints: Iterable[Mapping[str, Any]] | None) -> Node:
+    """A Node from a Kubernetes node's name, GPUs, ``metadata.labels`` and ``spec.taints``."""
+    return Node(name, gpus, frozenset((str(k), str(v)) for k, v in (labels or {}).items()),
+                tuple(Taint(t.get("key") or "", str(t.get("value") or ""),
+                            t.get("effect") or "NoSchedule") for t in taints or ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +112,8 @@ class Pod:
     ``job`` is the ElasticTrainingJob key ("ns/name", from the ``tidal.dev/job`` label) of a
     Tidal worker pod and None for every other pod: the policy makes room for those and never
     touches them. ``unschedulable`` is the scheduler's PodScheduled=False/Unschedulable verdict;
-    the policy does its own GPU accounting and keeps it for reporting only.
+    the policy does its own GPU accounting and keeps it for reporting only. ``placement`` is
+    where the pod may run: the policy makes room for a pending pod only on such a node.
     """
 
     key: str
@@ -41,6 +123,7 @@ class Pod:
     job: str | None = None
     unschedulable: bool = False
     created: float = 0.0  # epoch seconds
+    placement: Placement = ANYWHERE
 
     @property
     def finished(self) -> bool:
@@ -58,7 +141,9 @@ class ElasticJob:
     good as free for a pending pod. ``switch_seconds`` is the measured pause of the last switch
     (``status.lastSwitchSeconds``), else ``spec.scaling.switchOverheadSeconds``.
     ``last_scale_time`` is ``status.lastScaleTime`` in epoch seconds.
-    ``arrival_window_seconds`` is ``spec.scaling.arrivalWindowSeconds``.
+    ``arrival_window_seconds`` is ``spec.scaling.arrivalWindowSeconds``. ``placement`` is
+    the worker pods' (``spec.template``'s node selector and tolerations): new workers go only
+    to nodes it allows.
     """
 
     key: str
@@ -78,6 +163,7 @@ class ElasticJob:
     cooldown_seconds: float = 60.0
     last_scale_time: float | None = None
     switch_seconds: float = 30.0
+    placement: Placement = ANYWHERE
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:

@@ -22,7 +22,7 @@ import yaml
 from lightkube import Client
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.generic_resource import create_namespaced_resource
-from lightkube.resources.core_v1 import Event, Pod, Service
+from lightkube.resources.core_v1 import Event, Node, Pod, Service
 from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -274,6 +274,32 @@ def test_past_the_drain_deadline_released_pods_are_deleted_anyway(cluster):
     wait_for("released pods deleted at the deadline",
              lambda: not set(released) & set(pods_of(api, "slow")), timeout_s=15)
     assert any(r == "DrainDeadline" for r, _ in events_of(api, "slow"))
+
+
+def test_a_tainted_node_takes_workers_only_once_the_job_tolerates_it(cluster):
+    api, _, _ = cluster
+    leader = Leader(api, "fenced")
+    api.create(ETJ(job_manifest("fenced", workers={"min": 2, "max": 8})))
+    wait_for("two worker pods", lambda: len(pods_of(api, "fenced")) == 2)
+    leader.apply()  # generation 0 runs on node-0 (4 GPUs)
+    (reserved,) = localcluster.node_manifests(1, 4, prefix="reserved")
+    reserved["spec"] = {"taints": [{"key": "dedicated", "value": "inference",
+                                    "effect": "NoSchedule"}]}
+    api.create(Node.from_dict(reserved))
+    leader.publish(scaleTable=table("fenced", {w: 100.0 * w for w in range(2, 9)}))
+    # node-0's two idle GPUs only: reserved-0's four are not the job's to take
+    wait_for("a scale-up target", lambda: leader.status()["target"]["generation"] == 1)
+    assert leader.status()["target"]["workers"] == 4
+    leader.apply()
+    api.patch(ETJ, "fenced", {"spec": {"template": {"tolerations": [
+        {"key": "dedicated", "operator": "Equal", "value": "inference",
+         "effect": "NoSchedule"}]}}}, namespace=NS, patch_type=PatchType.MERGE)
+    wait_for("a scale-up onto the tainted node",
+             lambda: leader.status()["target"]["generation"] == 2, seen=leader.status)
+    target = leader.status()["target"]
+    assert target["workers"] == 8 and len(target["join"]) == 4
+    joiner = api.get(Pod, target["join"][0], namespace=NS)
+    assert [t.key for t in joiner.spec.tolerations] == ["dedicated"]
 
 
 def test_an_invalid_job_gets_a_condition_and_an_event_and_others_are_served(cluster):

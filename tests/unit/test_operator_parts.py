@@ -84,3 +84,42 @@ def test_contradictions_are_reported_in_one_line(job):
                           "spec": {**job.spec.model_dump(by_alias=True, exclude_none=True),
                                    "workers": {"min": 9, "max": 12}}})
     assert "exceeds the model's 8 placement units" in contradiction(too_many)
+
+
+def test_placement_reaches_the_policy_from_nodes_pods_and_the_jobs_template(job):
+    from tidal_api import JobStatus
+    from tidal_operator.controller import Controller, _JobState
+    from tidal_operator.snapshot import Placement, Taint, Toleration, node_of
+
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["spec"]["template"] = {
+        "nodeSelector": {"gpu": "a100"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "train",
+                         "effect": "NoSchedule"}, {"operator": "Exists"}],
+    }
+    placed = parse_job(doc)
+    expected = Placement(frozenset({("gpu", "a100")}), (
+        Toleration("dedicated", "Equal", "train", "NoSchedule"), Toleration("", "Exists")))
+    # the worker pods the operator builds, read back through the pod index
+    pod = builders.worker_pod(placed, uid="u-1", index=1, generation=0)
+    assert pod_view(pod, "nvidia.com/gpu").placement == expected
+    # the job as the policy sees it
+    state = _JobState("default/tiny", doc, placed, JobStatus())
+    assert Controller(adapter=None, metrics=None)._elastic_job(state).placement == expected
+    assert pod_view({"metadata": {"name": "p"}, "spec": {}}, "nvidia.com/gpu").placement == (
+        Placement())
+    # nodes: labels and taints (one without an effect, which the API refuses, as NoSchedule)
+    node = node_of("n", 8, {"gpu": "a100"}, [{"key": "dedicated", "value": "train",
+                                               "effect": "NoExecute"}, {"key": "x"}])
+    assert node.labels == frozenset({("gpu", "a100")})
+    assert node.taints == (Taint("dedicated", "train", "NoExecute"), Taint("x", "", "NoSchedule"))
+    assert not node.open_to_all and expected.allows(node) and not Placement().allows(node)
+    assert node_of("m", 8, None, None) == type(node)("m", 8)
+    from tidal_operator.handlers import gpu_nodes
+
+    indexed = gpu_nodes(name="n", status={"allocatable": {"nvidia.com/gpu": "8"}},
+                        spec={"taints": [{"key": "dedicated", "value": "train",
+                                          "effect": "NoExecute"}, {"key": "x"}]},
+                        meta={"labels": {"gpu": "a100"}})
+    assert indexed == {"n": node}
+    assert gpu_nodes(name="n", status={}, spec={"unschedulable": True}, meta={}) == {}

@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal_operator.policy import IDLE_GPUS, PENDING_GPU_PODS, Decision, decide
-from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
+from tidal_operator.snapshot import (
+    ANYWHERE, ElasticJob, Node, Placement, Pod, Snapshot, Taint, Toleration,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_decide", ROOT / "bench" / "decide.py")
@@ -247,10 +249,26 @@ def test_messages_give_the_numbers():
 
 # Random clusters: a few nodes, jobs and pods, so that contention is common.
 
+TAINTS = (Taint("dedicated", "train", "NoSchedule"), Taint("dedicated", "infer", "NoExecute"),
+          Taint("flaky", "", "PreferNoSchedule"))
+PLACEMENTS = (
+    ANYWHERE,
+    Placement(frozenset({("gpu", "a100")})),
+    Placement(tolerations=(Toleration("dedicated", "Equal", "train", "NoSchedule"),)),
+    Placement(frozenset({("gpu", "h100")}), (Toleration(operator="Exists"),)),
+)
+
+
 @st.composite
 def clusters(draw):
     names = [f"n{i}" for i in range(draw(st.integers(1, 4)))]
     capacity = {name: draw(st.sampled_from([1, 2, 4, 4, 8, 8])) for name in names}
+    placed = draw(st.booleans())  # node labels and taints, pods' selectors and tolerations
+    nodes = tuple(Node(n, capacity[n]) if not placed else Node(
+        n, capacity[n], frozenset({("gpu", draw(st.sampled_from(["a100", "h100"])))}),
+        tuple(draw(st.lists(st.sampled_from(TAINTS), max_size=1, unique=True))))
+        for n in names)
+    placement = st.sampled_from(PLACEMENTS if placed else (ANYWHERE,))
     free = dict(capacity)
     pods, jobs = [], []
     for j in range(draw(st.integers(1, 3))):
@@ -280,6 +298,7 @@ def clusters(draw):
             probability_threshold=draw(st.sampled_from([0.0, 0.6, 0.95])),
             last_scale_time=draw(st.sampled_from([None, NOW - 3600, NOW - 10])),
             switch_seconds=draw(st.sampled_from([0.0, 30.0, 600.0])),
+            placement=draw(placement),
         ))
     tight = draw(st.booleans())  # other work fills what the jobs left, and pods wait
     for i, node in enumerate(names):
@@ -289,11 +308,11 @@ def clusters(draw):
             phase = draw(st.sampled_from(["Running", "Running", "Pending", "Succeeded"]))
             pods.append(Pod(f"other/run-{i}", gpus, node, phase, created=NOW - 100))
     for i in range(draw(st.integers(1, 3) if tight else st.sampled_from([0, 0, 0, 1]))):
-        pods.append(waiting(f"other/wait-{i}", draw(st.integers(1, 4)),
-                            draw(st.sampled_from([NOW - 50.0, NOW - 5.0]))))
+        pods.append(dataclasses.replace(
+            waiting(f"other/wait-{i}", draw(st.integers(1, 4)),
+                    draw(st.sampled_from([NOW - 50.0, NOW - 5.0]))), placement=draw(placement)))
     arrivals = draw(st.lists(st.floats(NOW - 10 * HOUR, NOW), max_size=20))
-    return Snapshot(tuple(Node(n, capacity[n]) for n in names), tuple(pods), tuple(jobs),
-                    tuple(arrivals))
+    return Snapshot(nodes, tuple(pods), tuple(jobs), tuple(arrivals))
 
 
 def holding(snapshot) -> dict[str, int]:
@@ -311,9 +330,13 @@ def test_invariants_on_random_clusters(snapshot, shuffler):
     decisions = decide(snapshot, NOW)
     jobs = {j.key: j for j in snapshot.jobs}
     pods = {p.key: p for p in snapshot.pods}
+    nodes = {n.name: n for n in snapshot.nodes}
     capacity = {n.name: n.gpus for n in snapshot.nodes}
     pending = [p for p in snapshot.pods if p.node is None and p.job is None]
     assert len({d.job for d in decisions}) == len(decisions), "one decision per job"
+    # New workers go where the job's pods may run; room is made where the pending pod may.
+    assert all(jobs[d.job].placement.allows(nodes[n]) for d in decisions for n in d.nodes)
+    assert all(pods[key].placement.allows(nodes[n]) for d in decisions for key, n in d.room_for)
     for d in decisions:
         job = jobs[d.job]
         assert job.enabled and not job.busy
@@ -362,7 +385,7 @@ def test_a_lone_pending_pod_gets_room_where_it_can(snapshot):
     if len(pending) != 1:
         return
     (pod,) = pending
-    capacity = {n.name: n.gpus for n in snapshot.nodes}
+    capacity = {n.name: n.gpus for n in snapshot.nodes if pod.placement.allows(n)}
     held = holding(snapshot)
     bound = {p.key: p for p in snapshot.pods if p.node and p.phase not in ("Succeeded", "Failed")}
     for key in (k for j in snapshot.jobs for k in j.releasing):
@@ -378,6 +401,8 @@ def test_a_lone_pending_pod_gets_room_where_it_can(snapshot):
         if not job.enabled or job.busy or not rows or any(m not in bound for m in job.members):
             continue
         for node, count in Counter(bound[m].node for m in job.members[1:]).items():
+            if node not in capacity:
+                continue
             freeable = min(count, job.workers - rows[0]) * job.gpus_per_worker
             together[node] += freeable
             if capacity[node] - held[node] + freeable >= pod.gpus:
@@ -401,3 +426,66 @@ def test_bench_snapshot_decides():
     full = bench.plain_cluster("scale_down", **bench.FULL)
     assert len(full["pods"]) == 5000 and len(full["jobs"]) == 200
     assert sum(p[2] is None for p in full["pods"]) == 100
+
+
+# Node selectors and taints.
+
+def placed_cluster(nodes, *jobs, others=()):
+    """``cluster`` with Node records as given (labels, taints)."""
+    return Snapshot(nodes=tuple(nodes), pods=tuple(p for _, pods in jobs for p in pods)
+                    + tuple(others), jobs=tuple(j for j, _ in jobs))
+
+
+A100 = Placement(frozenset({("gpu", "a100")}))
+DEDICATED = Taint("dedicated", "train", "NoSchedule")
+
+
+def test_new_workers_go_only_where_the_jobs_pods_may_run():
+    nodes = [Node("a", 8, frozenset({("gpu", "a100")})), Node("b", 8),
+             Node("c", 8, frozenset({("gpu", "a100")}), (DEDICATED,))]
+    entry = job("j", on="a", max_workers=16, factor=16, gpw=4, placement=A100)
+    (d,) = decide(placed_cluster(nodes, entry), NOW)
+    assert d.nodes == ("a",) and d.to_workers == 2  # not b (no label), not c (tainted)
+    tolerant = dataclasses.replace(A100, tolerations=(
+        Toleration("dedicated", "Equal", "train", "NoSchedule"),))
+    (d,) = decide(placed_cluster(nodes, job("j", on="a", max_workers=16, factor=16, gpw=4,
+                                            placement=tolerant)), NOW)
+    assert sorted(d.nodes) == ["a", "c", "c"] and d.to_workers == 4
+    # a job without a selector grows anywhere but the tainted node; PreferNoSchedule is no bar
+    soft = Node("d", 8, taints=(Taint("flaky", "", "PreferNoSchedule"),))
+    (d,) = decide(placed_cluster([*nodes, soft], job("k", on="a", max_workers=16, factor=16,
+                                                     gpw=4)), NOW)
+    assert d.nodes == ("a", "b", "b", "d", "d") and d.to_workers == 6
+
+
+def test_room_is_made_only_where_the_pending_pod_may_run():
+    nodes = [Node("a", 8), Node("b", 8, frozenset({("gpu", "a100")}))]
+    # j's workers fill both nodes; freeing a's is cheaper, but the pod needs an a100
+    cheap = job("j", on="aabb", max_workers=4, gpw=4, tps={1: 100, 2: 190, 3: 200, 4: 205})
+    pod = dataclasses.replace(waiting("p", 4), placement=A100)
+    (d,) = decide(placed_cluster(nodes, cheap, others=[pod]), NOW)
+    assert d.kind == "scale_down" and d.room_for == (("p", "b"),)
+    assert d.release == ("j-3",)
+    # free GPUs on a do not count for it either
+    roomy = [Node("a", 12), nodes[1]]
+    (d,) = decide(placed_cluster(roomy, cheap, others=[pod]), NOW)
+    assert d.room_for == (("p", "b"),) and d.release == ("j-3",)
+    # a pod no node admits makes no room, and holds the scale-up back as any pending pod does
+    nowhere = dataclasses.replace(pod, placement=Placement(frozenset({("gpu", "h100")})))
+    assert decide(placed_cluster(nodes, cheap, others=[nowhere]), NOW) == ()
+
+
+@pytest.mark.parametrize(("toleration", "taint", "tolerated"), [
+    (Toleration("k", "Equal", "v", "NoSchedule"), Taint("k", "v", "NoSchedule"), True),
+    (Toleration("k", "Equal", "v", ""), Taint("k", "v", "NoExecute"), True),
+    (Toleration("k", "Equal", "w", "NoSchedule"), Taint("k", "v", "NoSchedule"), False),
+    (Toleration("k", "Exists", "", "NoSchedule"), Taint("k", "v", "NoSchedule"), True),
+    (Toleration("k", "Exists", "", "NoExecute"), Taint("k", "v", "NoSchedule"), False),
+    (Toleration("", "Exists", "", ""), Taint("any", "x", "NoExecute"), True),
+    (Toleration("", "Equal", "", ""), Taint("any", "", "NoSchedule"), False),
+    (Toleration("other", "Exists", "", ""), Taint("k", "", "NoSchedule"), False),
+])
+def test_tolerations_match_as_the_scheduler_matches_them(toleration, taint, tolerated):
+    assert toleration.tolerates(taint) is tolerated
+    node = Node("n", 8, taints=(taint,))
+    assert Placement(tolerations=(toleration,)).allows(node) is tolerated
