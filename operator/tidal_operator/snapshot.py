@@ -21,6 +21,11 @@ FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
 
 
+def _pairs(labels: Mapping[str, Any] | None) -> frozenset[tuple[str, str]]:
+    """A label map (node labels, a node selector) as a set of (key, value) pairs."""
+    return frozenset((str(k), str(v)) for k, v in (labels or {}).items())
+
+
 @dataclass(frozen=True, slots=True)
 class Taint:
     key: str
@@ -78,9 +83,12 @@ class Placement:
     @classmethod
     def of(cls, node_selector: Mapping[str, str] | None,
            tolerations: Iterable[Mapping[str, Any]] | None) -> Placement:
-        """From a pod spec's ``nodeSelector`` and ``tolerations`` (Kubernetes' field names)."""
+        """From a pod spec's ``nodeSelector`` and ``tolerations`` (Kubernetes' field names);
+        the shared ``ANYWHERE`` where there are neither, as for most pods."""
+        if not node_selector and not tolerations:
+            return ANYWHERE
         return cls(
-            frozenset((str(k), str(v)) for k, v in (node_selector or {}).items()),
+            _pairs(node_selector),
             tuple(Toleration(key=t.get("key") or "", operator=t.get("operator") or "Equal",
                              value=str(t.get("value") or ""), effect=t.get("effect") or "")
                   for t in tolerations or ()),
@@ -100,7 +108,7 @@ ANYWHERE = Placement()
 def node_of(name: str, gpus: int, labels: Mapping[str, str] | None,
             taints: Iterable[Mapping[str, Any]] | None) -> Node:
     """A Node from a Kubernetes node's name, GPUs, ``metadata.labels`` and ``spec.taints``."""
-    return Node(name, gpus, frozenset((str(k), str(v)) for k, v in (labels or {}).items()),
+    return Node(name, gpus, _pairs(labels),
                 tuple(Taint(t.get("key") or "", str(t.get("value") or ""),
                             t.get("effect") or "NoSchedule") for t in taints or ()))
 
