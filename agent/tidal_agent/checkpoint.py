@@ -31,15 +31,17 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def latest(root: str | Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint under ``root`` as (steps done, directory), if any."""
+def latest(root: str | Path, *, at_most: int | None = None) -> tuple[int, Path] | None:
+    """The newest complete checkpoint under ``root`` as (steps done, directory), if any; with
+    ``at_most``, the newest of at most that many steps."""
     found = []
     root = Path(root)
     if root.is_dir():
         for child in root.iterdir():
             match = _STEP_DIR.match(child.name)
             if match and (child / MARKER).is_file():
-                found.append((int(match.group(1)), child))
+                if at_most is None or int(match.group(1)) <= at_most:
+                    found.append((int(match.group(1)), child))
     return max(found) if found else None
 
 

@@ -15,7 +15,10 @@ Three parts, one per concern:
   target's generation with the applied one and writes ``ctl/<step>``: ``null`` or the next
   generation, which switches at the following step. Every member reads that key before the
   step, so all switch at the same boundary; a joiner reads ``gen/<pod>``. A scale-up is
-  announced once every pod it joins has registered.
+  announced once every pod it joins has registered. When a member is lost (the operator
+  deleted it at a drain deadline, or its node went), the survivors agree through the store on
+  a generation without it, which resumes from the job's last complete checkpoint
+  (``recover``).
 - ``AgentReport`` turns the worker's events into status fields and Prometheus metrics
   (tidal_agent.metrics) on the leader and keeps the JSON report of a run (per-step losses,
   switches, the parameter digest).
@@ -36,7 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 import torch.distributed as dist
@@ -47,11 +50,15 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.types import PatchType
 from pydantic import ValidationError
 
+from tidal_agent import checkpoint
 from tidal_agent.metrics import AgentMetrics, JobMetrics
 from tidal_api import GROUP, KIND, VERSION, AppliedLayout, ElasticTrainingJob, JobStatus, Target
 from tidal_api import keys, parse_job
 from tidal_plan.elastic import Generation, TargetError, data_parallel_degree, next_generation
 from tidal_plan.layout import Layout, LayoutError
+
+if TYPE_CHECKING:
+    from tidal_agent.worker import Recovery
 
 log = logging.getLogger("tidal.agent")
 
@@ -68,6 +75,10 @@ AGENT_FIELDS = frozenset({
 
 class ControlError(RuntimeError):
     """The agent cannot run: its job, identity or settings are missing or unusable."""
+
+
+class LeaderRecovering(RuntimeError):
+    """The leader took the fault path: a member waiting at a step boundary takes it too."""
 
 
 def kube_config(kubeconfig: str | None) -> KubeConfig:
@@ -291,9 +302,21 @@ class ControlledGenerations:
 
     The leader decides; everyone else reads. Keys (under the rendezvous prefix):
     ``reg/count`` and ``reg/<n>`` (pods in registration order), ``pod/<pod>`` (registered),
-    ``gen/<pod>`` (the generation a pod starts in and the one before it), ``ctl/<step>``
-    (``none`` or the generation that starts at ``step + 1``), ``end`` (the step training
-    ended at: standby pods leave).
+    ``gen/<pod>`` (the generation a pod starts in and the one before it),
+    ``ctl/<recoveries>/<step>`` (``null``, the generation that starts at ``step + 1``, or
+    ``{"fault": ...}`` once the leader is recovering), ``end`` (the step training ended at:
+    standby pods leave), ``beat/<pod>`` (a counter each pod's heartbeat thread advances) and,
+    for the k-th recovery, ``fault/<k>/at/<pod>`` (a survivor's report) and
+    ``fault/<k>/decision`` (the leader's: where the survivors go on, or why they cannot).
+
+    The fault path (``recover``): every survivor reports; the leader waits until each member of
+    the failed generation (and of one announced after it) has either reported or been silent
+    for ``lost_after_s`` (no heartbeat), then names the survivors' generation. Pods the
+    newest target releases are not in it, so a pod the operator deleted at a drain deadline
+    ends in the generation that target asked for, under its number. Training resumes at the
+    newest complete checkpoint under ``checkpoint_root`` that is not past the failed step, or
+    from step 0 (everything is a function of the seed and the step, so the replay is exact).
+    A failure with no member lost is a bug, not a fault: every survivor raises its error.
     """
 
     def __init__(
@@ -308,16 +331,29 @@ class ControlledGenerations:
         target: Callable[[], Target | None] = lambda: None,
         report: AgentReport | None = None,
         poll_s: float = 0.05,
+        checkpoint_root: str | None = None,
+        heartbeat: dist.Store | None = None,
+        beat_s: float = 0.5,
+        lost_after_s: float = 5.0,
+        fault_wait_s: float = 300.0,
     ) -> None:
         self.me, self._leader, self.store = me, leader, store
         self.min_workers, self.steps = min_workers, steps
         self._choose, self._target, self._report = choose, target, report
         self.poll_s = poll_s
+        self.checkpoint_root = checkpoint_root
+        self.lost_after_s, self.fault_wait_s = lost_after_s, fault_wait_s
         self._layouts: dict[int, Layout] = {}
         self.current: Generation | None = None  # the leader's newest generation
         self._first: Generation | None = None  # the leader's generation 0
         self.applied = -1  # the newest target generation acted on (the leader's)
         self._skipped: tuple[Target, str] | None = None  # the last target not applied, and why
+        self.recoveries = 0  # fault paths taken, the same count on every member
+        self.lost: set[str] = set()  # members lost to faults (the leader's view)
+        self._beating = threading.Event()
+        if heartbeat is not None:  # its own connection: never queued behind a blocking get
+            threading.Thread(target=self._beat, args=(heartbeat, beat_s), daemon=True,
+                             name="tidal-heartbeat").start()
 
     @property
     def leader(self) -> str:
@@ -325,6 +361,19 @@ class ControlledGenerations:
 
     def layout(self, gen: Generation) -> Layout:
         return self._layouts[gen.index]
+
+    def _beat(self, store: dist.Store, every_s: float) -> None:
+        """Advance ``beat/<me>`` until this pod leaves: how the leader tells a lost member
+        from a slow one."""
+        try:
+            while not self._beating.wait(every_s):
+                store.add(f"beat/{self.me}", 1)
+        except RuntimeError as err:  # the store is gone: training is over or lost anyway
+            log.debug("heartbeat stopped: %s", err)
+
+    def stop_beating(self) -> None:
+        """Stop the heartbeat: this pod is done with the job (or, in tests, dead)."""
+        self._beating.set()
 
     def register(self) -> int:
         """Make this pod known to the leader; its place in the registration order."""
@@ -402,11 +451,13 @@ class ControlledGenerations:
             time.sleep(self.poll_s)
 
     def following(self, gen: Generation, step: int) -> Generation | None:
-        key = f"ctl/{step}"
+        key = f"ctl/{self.recoveries}/{step}"
         if self.me != self._leader:
             data = json.loads(self.store.get(key))
             if data is None:
                 return None
+            if "fault" in data:
+                raise LeaderRecovering(f"at step {step}: {data['fault']}")
             following, layout = _gen_from(data)
             self._layouts[following.index] = layout
             return following
@@ -424,17 +475,114 @@ class ControlledGenerations:
             log.info("step %d: generation %d (%s) in %s from step %d", step, following.index,
                      list(following.members), layout.describe(), following.at_step)
         if step >= 2:  # everyone has read it: members read every key in turn
-            self.store.delete_key(f"ctl/{step - 2}")
+            self.store.delete_key(f"ctl/{self.recoveries}/{step - 2}")
         return following
 
     def end(self, step: int) -> None:
         """Training is over: pods still in standby leave."""
         self.store.set("end", str(step))
+        self.stop_beating()
 
     def leave(self) -> None:
         """Forget this pod, so that a later pod of the same name registers afresh."""
+        self.stop_beating()
         self.store.delete_key(f"gen/{self.me}")
         self.store.delete_key(f"pod/{self.me}")
+
+    def recover(self, me: str, trained: Generation, step: int,
+                error: Exception) -> Recovery | None:
+        from tidal_agent.worker import Recovery
+
+        fault = f"fault/{self.recoveries}"
+        self.store.set(f"{fault}/at/{me}", json.dumps(
+            {"step": step, "error": f"{type(error).__name__}: {error}"[:500]}))
+        if me == self._leader:
+            decision = self._recovery(trained, step, fault, error)
+            self.store.set(f"{fault}/decision", json.dumps(decision))
+        else:
+            self.store.wait([f"{fault}/decision"], timedelta(seconds=self.fault_wait_s))
+            decision = json.loads(self.store.get(f"{fault}/decision"))
+        self.recoveries += 1
+        if "abort" in decision:
+            log.error("no recovery: %s", decision["abort"])
+            raise error
+        gen, layout = _gen_from(decision["generation"])
+        self._layouts[gen.index] = layout
+        log.warning("recovery %d: %s lost at step %d; %s go on in %s from step %d (%s)",
+                    self.recoveries, decision["lost"], decision["failed_at"], list(gen.members),
+                    layout.describe(), gen.at_step, decision["checkpoint"] or "from scratch")
+        if me not in gen.members:
+            return None
+        return Recovery(generation=gen, world=f"recovery{self.recoveries}",
+                        checkpoint=decision["checkpoint"], failed_at=decision["failed_at"],
+                        lost=tuple(decision["lost"]))
+
+    def _recovery(self, trained: Generation, step: int, fault: str,
+                  error: Exception) -> dict[str, Any]:
+        """The leader's decision on the fault path: the survivors' generation, or why not."""
+        # Members waiting at a step boundary for the leader's word get it now.
+        for boundary in (step, step + 1, step + 2):
+            self.store.compare_set(f"ctl/{self.recoveries}/{boundary}", "",
+                                   json.dumps({"fault": f"{type(error).__name__}"}))
+        members = list(dict.fromkeys((*trained.members, *self.current.members)))
+        target = self._target()
+        released = set(target.release) if target is not None else set()
+        # A pod the newest target releases is no survivor whatever it does: not waited for.
+        reported, lost = self._survivors([p for p in members if p not in released], fault)
+        lost += [p for p in members if p in released and not self.store.check(
+            [f"{fault}/at/{p}"])]
+        if not lost:
+            return {"abort": f"every member survived the failure at step {step} "
+                             f"({type(error).__name__}: {error}); not a lost worker"}
+        survivors = tuple(p for p in members if p in reported)
+        index = self.applied
+        if (target is not None and set(lost) <= released and target.workers == len(survivors)
+                and target.generation >= self.applied):
+            index = target.generation  # the scale-down the lost pods did not drain for
+        try:
+            layout, predicted = self._choose(len(survivors), len(self._first.members))
+        except LayoutError as err:
+            return {"abort": f"no layout for the {len(survivors)} survivors: {err}"}
+        resume, path = 0, None
+        saved = checkpoint.latest(self.checkpoint_root, at_most=step) if self.checkpoint_root \
+            else None
+        if saved is not None:
+            resume, path = saved[0], str(saved[1])
+        else:
+            log.warning("no complete checkpoint to recover from: the survivors start afresh "
+                        "from step 0 (set spec.checkpoint to lose less)")
+        gen = Generation(index=index, at_step=resume, members=survivors)
+        self._layouts[index] = layout
+        self.current, self.applied = gen, index
+        self.lost.update(lost)
+        if self._report is not None:
+            self._report.planned(index, predicted)
+        return {"generation": _gen_json(gen, layout), "lost": lost, "failed_at": step,
+                "checkpoint": path}
+
+    def _survivors(self, members: list[str], fault: str) -> tuple[set[str], list[str]]:
+        """Wait until every member has reported on the fault path or fallen silent: (the
+        reporters, the lost in member order). A member neither reporting nor silent by
+        ``fault_wait_s`` counts as lost."""
+        deadline = time.monotonic() + self.fault_wait_s
+        heard: dict[str, tuple[int, float]] = {}  # member -> (its beat count, when it moved)
+        while True:
+            now = time.monotonic()
+            reported = {p for p in members if self.store.check([f"{fault}/at/{p}"])}
+            silent = []
+            for pod in members:
+                if pod in reported:
+                    continue
+                beats = self.store.add(f"beat/{pod}", 0)
+                if pod not in heard or heard[pod][0] != beats:
+                    heard[pod] = (beats, now)
+                if now - heard[pod][1] >= self.lost_after_s:
+                    silent.append(pod)
+            if len(reported) + len(silent) == len(members):
+                return reported, silent
+            if now > deadline:
+                return reported, [p for p in members if p not in reported]
+            time.sleep(self.poll_s)
 
     def _decide(self, gen: Generation, step: int) -> Generation | None:
         """The generation the target asks for, if it can start at the next step."""
@@ -494,6 +642,7 @@ class AgentReport:
         self.link, self.tokens_per_step, self.metrics = link, tokens_per_step, metrics
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
         self.generations: list[dict[str, Any]] = []
         self.digests: dict[int, tuple[str, str]] | None = None
         self.left_at: int | None = None
@@ -512,10 +661,29 @@ class AgentReport:
             gen = Generation(index=payload["generation"], at_step=payload["at_step"],
                              members=tuple(payload["members"]))
             self.applied(gen, Layout(**payload["to"]), switch_s=payload["pause_s"])
+        elif kind == "recovered":
+            self._recovered(payload)
         elif kind == "done":
             self.digests = payload
         elif kind == "left":
             self.left_at = payload
+
+    def _recovered(self, payload: dict[str, Any]) -> None:
+        """The survivors of a fault go on from ``resumed_at``: the steps from there on are
+        replayed, and their results replace the ones reported before the fault."""
+        resumed = payload["resumed_at"]
+        replayed = sum(1 for s in self.steps if s["step"] >= resumed)
+        self.steps = [s for s in self.steps if s["step"] < resumed]
+        self.recoveries.append({**payload, "replayed_steps": replayed})
+        log.warning("recovered from losing %s at step %d: %d steps to replay from step %d",
+                    payload["lost"], payload["failed_at"], replayed, resumed)
+        if self.metrics is not None:
+            self.metrics.recovered(len(payload["lost"]), replayed)
+        gen = Generation(index=payload["generation"], at_step=resumed,
+                         members=tuple(payload["members"]))
+        self.applied(gen, Layout(**payload["layout"]), switch_s=payload["pause_s"])
+        if self.link is not None:
+            self.link.publish(step=resumed)
 
     def planned(self, index: int, predicted_step_s: float | None) -> None:
         self._predicted[index] = predicted_step_s
@@ -665,6 +833,8 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     source = ControlledGenerations(
         me=identity.pod, leader=identity.leader, store=store, min_workers=spec.workers.min,
         steps=steps, choose=choose, target=link.target, report=report,
+        checkpoint_root=spec.checkpoint.path, heartbeat=rendezvous.connect(),
+        fault_wait_s=2 * timeout_s + 30,  # past any member's own timeout on a dead peer
     )
     if leading:
         link.start()
@@ -687,7 +857,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(result, indent=2) + "\n")
     link.publish(step=steps)
-    _wait_for_exits(store, len(source.registered()) - 1, timeout_s)
+    _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
     del host  # only now may the store go down
     return result
 
@@ -706,6 +876,7 @@ def _leader_report(job: str, spec, source: ControlledGenerations, report: AgentR
         "job": job, "members": list(source.current.members),
         "layout": source.layout(source.current).to_dict(), "generations": report.generations,
         "steps": report.steps, "reconfigurations": report.reconfigurations,
+        "recoveries": report.recoveries,
         "params_sha256": params_sha256(digests, len(global_parameter_names(model_config(spec)))),
     }
 

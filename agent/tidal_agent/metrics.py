@@ -52,6 +52,15 @@ class JobMetrics:
             "reconfigurations", "Switches of the worker count, by direction.",
             (*labels, "direction"), **common)
         self.reconfigurations = {d: reconfigurations.labels(*values, d) for d in DIRECTIONS}
+        self.recoveries = Counter(
+            "recoveries", "Fault paths taken: generations rebuilt without lost members.",
+            labels, **common).labels(*values)
+        self.lost_workers = Counter(
+            "lost_workers", "Members lost to faults (killed, deleted at a drain deadline).",
+            labels, **common).labels(*values)
+        self.replayed_steps = Counter(
+            "replayed_steps", "Steps trained again after a fault, from the last checkpoint.",
+            labels, **common).labels(*values)
         self.pause = Histogram(
             "switch_pause_seconds", "Pauses of the switches.", labels, buckets=PAUSE_BUCKETS,
             **common).labels(*values)
@@ -74,6 +83,11 @@ class JobMetrics:
         self.loss.set(loss)
         self.step_seconds.set(seconds)
         self.tokens_per_second.set(tokens_per_second)
+
+    def recovered(self, lost: int, replayed: int) -> None:
+        self.recoveries.inc()
+        self.lost_workers.inc(lost)
+        self.replayed_steps.inc(replayed)
 
     def switched(self, from_workers: int, to_workers: int, pause_s: float,
                  bytes_moved: int) -> None:

@@ -14,16 +14,27 @@ Where generations come from is a ``GenerationSource``: a schedule known in advan
 (``StaticGenerations``, ``tidal run``) or the operator's targets, announced through the
 rendezvous store at run time (``tidal_agent.control.ControlledGenerations``, ``tidal agent``).
 The training loop is the same for both.
+
+The fault path: when a step or a switch fails (a member died: its sockets closed, or a peer's
+did), the worker closes every world it holds, so members still blocked on it fail too, and asks
+its source to ``recover``. A schedule known in advance cannot (``tidal run`` stops and names the
+lost worker; ``--resume`` continues); the operator's source agrees with the other survivors on a
+generation without the lost members, which resumes from the job's last complete checkpoint (from
+step 0 without one) and replays the steps since, bit for bit in strict mode.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -34,11 +45,24 @@ from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile, calibrate_trainer, time_collectives
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer, model_config
-from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world
+from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world, drop_default_group
 from tidal_api import JobSpec
 from tidal_plan.elastic import Generation
 from tidal_plan.layout import Layout
 from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
+
+log = logging.getLogger("tidal.agent")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recovery:
+    """Where the survivors of a failed generation go on: agreed on by all of them."""
+
+    generation: Generation  # the survivors; at_step is the step training resumes at
+    world: str  # the name of its world: a fresh one for every recovery
+    checkpoint: str | None  # the checkpoint to load (saved at at_step); None: start afresh
+    failed_at: int  # the step (or switch boundary) the leader was at when it failed
+    lost: tuple[str, ...]  # the members that did not survive
 
 
 class GenerationSource(Protocol):
@@ -63,6 +87,12 @@ class GenerationSource(Protocol):
     def following(self, gen: Generation, step: int) -> Generation | None:
         """At the boundary before ``step``: the generation after ``gen`` if it is known."""
 
+    def recover(self, me: str, trained: Generation, step: int,
+                error: Exception) -> Recovery | None:
+        """``me`` failed at ``step`` in generation ``trained`` with ``error``: where the
+        survivors go on (None if ``me`` is not one of them). Raises ``error`` when training
+        cannot go on: nothing to recover with, or no member was lost (a bug, not a fault)."""
+
 
 @dataclass(frozen=True, slots=True)
 class StaticGenerations:
@@ -85,6 +115,10 @@ class StaticGenerations:
     def following(self, gen: Generation, step: int) -> Generation | None:
         nxt = gen.index + 1
         return self.generations[nxt] if nxt < len(self.generations) else None
+
+    def recover(self, me: str, trained: Generation, step: int,
+                error: Exception) -> Recovery | None:
+        raise error  # the launcher names the lost worker; --resume goes on without it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,6 +180,8 @@ class _Worker:
             torch.cuda.set_device(self.device)
         self.metas = state_metadata(model_config(spec))
         self._last_step_end: float | None = None
+        self._gen: Generation | None = None  # where training is: for the fault path
+        self._step = 0
 
     @property
     def leader(self) -> bool:
@@ -156,12 +192,27 @@ class _Worker:
                        device=self.device, clip_mode=self.opts.clip_mode, initialise=initialise)
 
     def run(self) -> None:
-        opts, source = self.opts, self.source
-        started = source.start(self.me)
+        started = self.source.start(self.me)
         if started is None:  # let go from standby before any generation needed it
             self.events.put(("left", self.me, None))
             return
-        gen, previous = started
+        enter: Callable[[], tuple[Trainer, World, int]] = partial(self._enter, *started)
+        while True:
+            try:
+                self._train(enter)
+                return
+            except Exception as err:  # noqa: BLE001 - the source tells a fault from a bug
+                failed = time.perf_counter()
+                recovery = self._recover(err)
+            if recovery is None:  # released while the others recovered
+                self.events.put(("left", self.me, self._step))
+                return
+            enter = partial(self._resume, recovery, failed)
+
+    def _enter(self, gen: Generation, previous: Generation | None) -> tuple[Trainer, World, int]:
+        """Join the first generation this worker trains in."""
+        opts = self.opts
+        self._gen, self._step = gen, gen.at_step
         if previous is None:
             world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
             trainer = self._trainer(gen, world, initialise=opts.resume_from is None)
@@ -173,8 +224,16 @@ class _Worker:
             trainer = self._trainer(gen, world, initialise=False)
             self._reshard(self._plan(previous, gen), world, None, trainer)
             step = gen.at_step
+        return trainer, world, step
+
+    def _train(self, enter: Callable[[], tuple[Trainer, World, int]]) -> None:
+        """Train from where ``enter`` puts this worker to the last step, or until released."""
+        opts, source = self.opts, self.source
+        trainer, world, step = enter()
+        gen = self._gen
         following = builder = plan = None
         while step < opts.steps:
+            self._step = step
             if following is None:
                 following = source.following(gen, step)
                 if following is not None:  # build its world and plan while this one trains
@@ -185,10 +244,45 @@ class _Worker:
                     self.events.put(("left", self.me, step))
                     return
                 gen, following = following, None
+                self._gen = gen
                 continue
             self._train_step(trainer, step)
             step += 1
         self.events.put(("done", self.me, trainer.parameter_digests()))
+
+    def _recover(self, err: Exception) -> Recovery | None:
+        """Close every world of the failed generation, then ask the source where to go on."""
+        log.error("%s failed at step %d of generation %d: %s: %s", self.me, self._step,
+                  self._gen.index, type(err).__name__, err)
+        # The worlds live in the frames of the traceback: clear them and collect, so that each
+        # process group closes its connections now and peers still blocked on this worker fail
+        # at once rather than at the timeout.
+        traceback.clear_frames(err.__traceback__)
+        drop_default_group()
+        gc.collect()
+        return self.source.recover(self.me, self._gen, self._step, err)
+
+    def _resume(self, recovery: Recovery, failed: float) -> tuple[Trainer, World, int]:
+        """Go on in the survivors' generation from its checkpoint (or from step 0)."""
+        gen = recovery.generation
+        self._gen, self._step = gen, gen.at_step
+        world = build_world(self.opts.rendezvous, gen.index, gen.members, self.me,
+                            name=recovery.world)
+        trainer = self._trainer(gen, world, initialise=recovery.checkpoint is None)
+        if recovery.checkpoint is not None:
+            checkpoint.load(trainer, recovery.checkpoint)
+        if self.leader:
+            self.events.put(("recovered", self.me, {
+                "failed_at": recovery.failed_at,
+                "resumed_at": gen.at_step,
+                "checkpoint": recovery.checkpoint,
+                "lost": list(recovery.lost),
+                "generation": gen.index,
+                "members": list(gen.members),
+                "layout": trainer.layout.to_dict(),
+                "pause_s": time.perf_counter() - failed,
+            }))
+        return trainer, world, gen.at_step
 
     def _train_step(self, trainer: Trainer, step: int) -> None:
         first, last = self.opts.profile_steps

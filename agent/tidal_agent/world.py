@@ -47,6 +47,7 @@ class World:
     pg: dist.ProcessGroup
     store: dist.Store = field(repr=False)
     rendezvous: Rendezvous = field(repr=False)
+    name: str = "train"  # with the generation, the world's store prefix: unique per world
 
     @property
     def size(self) -> int:
@@ -72,7 +73,7 @@ class World:
     def subgroup(self, name: str, members: tuple[str, ...]) -> World:
         """A world over some of this world's members (every one of them must call this)."""
         return build_world(self.rendezvous, self.generation, members, self.members[self.rank],
-                           name=name, store=self.store)
+                           name=f"{self.name}.{name}", store=self.store)
 
 
 def build_world(
@@ -96,7 +97,7 @@ def build_world(
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
     return World(generation=generation, members=members, rank=rank, pg=pg, store=store,
-                 rendezvous=rendezvous)
+                 rendezvous=rendezvous, name=name)
 
 
 class WorldBuilder:
@@ -126,21 +127,28 @@ class WorldBuilder:
         return self._result
 
 
-_default_generation: int | None = None
+_default_world: tuple[int, str] | None = None  # (generation, name) of the default group's world
 
 
 def ensure_default_group(world: World) -> None:
     """Make the default process group this world's, for APIs that need it (DCP)."""
-    global _default_generation
-    if _default_generation == world.generation and dist.is_initialized():
+    global _default_world
+    if _default_world == (world.generation, world.name) and dist.is_initialized():
         return
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    drop_default_group()
     dist.init_process_group(
         world.rendezvous.backend,
-        store=dist.PrefixStore(f"gen{world.generation}/default/", world.store),
+        store=dist.PrefixStore(f"gen{world.generation}/{world.name}-default/", world.store),
         rank=world.rank,
         world_size=world.size,
         timeout=timedelta(seconds=world.rendezvous.timeout_s),
     )
-    _default_generation = world.generation
+    _default_world = (world.generation, world.name)
+
+
+def drop_default_group() -> None:
+    """Destroy the default process group, if any (its world is over or broken)."""
+    global _default_world
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _default_world = None

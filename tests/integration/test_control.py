@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import threading
 import time
 from contextlib import closing
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from lightkube.types import PatchType
 from tidal_agent.control import AgentReport, ControlError, ControlLink, ControlledGenerations
 from tidal_agent.control import ElasticTrainingJobResource as ETJ
 from tidal_api import Target, keys
+from tidal_plan.elastic import Generation
 from tidal_operator.emulator import load_manifests
 from tidal_plan.layout import build_layout
 
@@ -117,6 +120,8 @@ def test_publish_patches_only_agent_fields_and_at_most_every_interval(emulator, 
             time.sleep(0.01)
         _until(lambda: _status(api).get("step") == 20, 5, "step 20")
         assert time.monotonic() - started >= 0.9  # held back until the interval was over
+        # The publisher counts a patch once its response is in: the API may show it sooner.
+        _until(lambda: link.patches >= 2, 2, "the second patch to be counted")
         assert link.patches == 2
         link.publish(step=21)
         link.publish(generation=1, members=("tiny-worker-0", "tiny-worker-1", "tiny-worker-2"))
@@ -258,6 +263,95 @@ def test_generations_follow_targets_through_the_store():
     assert ("j-worker-3", "released from standby") in trained
 
 
+def test_recovery_decisions_through_the_store(tmp_path):
+    """The fault path's agreement, with threads for pods: a failure nobody died of is raised,
+    a silent member is left behind, a member the target releases is not waited for."""
+    from tidal_agent.control import LeaderRecovering
+
+    for done in (4, 8):  # complete checkpoints (their contents are not read here)
+        (tmp_path / f"step-{done:08d}").mkdir()
+        (tmp_path / f"step-{done:08d}" / "tidal.json").write_text("{}")
+    (tmp_path / "step-00000012").mkdir()  # a save that never finished: no marker
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30), use_libuv=True)
+    box: dict = {"target": None}
+    pods = ("j-worker-0", "j-worker-1", "j-worker-2")
+
+    def connect():
+        return dist.PrefixStore("j/", dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                                                    timeout=timedelta(seconds=30)))
+
+    sources = {me: ControlledGenerations(
+        me=me, leader=pods[0], store=connect(), min_workers=3, steps=100,
+        choose=lambda n, first: (_layout(n), None), target=lambda: box["target"], poll_s=0.01,
+        checkpoint_root=str(tmp_path), heartbeat=connect(), beat_s=0.05, lost_after_s=0.5,
+        fault_wait_s=20) for me in pods}
+
+    def in_threads(calls):
+        """Run each pod's call in a thread of its own; what each returned or raised."""
+        out: dict = {}
+
+        def run(me, call):
+            try:
+                out[me] = call()
+            except Exception as err:  # noqa: BLE001 - the outcome under test
+                out[me] = err
+        threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+            assert not thread.is_alive()
+        return out
+
+    started = in_threads({me: partial(sources[me].start, me) for me in pods})
+    gen = started[pods[0]][0]
+    assert gen.members == pods and all(started[me][0] == gen for me in pods)
+
+    # A failure with every member alive is a bug: each raises its own error. A member
+    # waiting at the next step boundary hears of the leader's recovery from the store.
+    boom = RuntimeError("boom")
+
+    def waits_then_recovers():
+        with pytest.raises(LeaderRecovering):
+            sources[pods[1]].following(gen, 6)
+        return sources[pods[1]].recover(pods[1], gen, 6, boom)
+
+    out = in_threads({pods[0]: lambda: sources[pods[0]].recover(pods[0], gen, 5, boom),
+                      pods[1]: waits_then_recovers,
+                      pods[2]: lambda: sources[pods[2]].recover(pods[2], gen, 5, boom)})
+    assert all(out[me] is boom for me in pods)
+
+    # j-worker-2 dies: no report, no heartbeat. The others go on without it from the newest
+    # complete checkpoint at or before the failure, under the same generation number.
+    sources[pods[2]].stop_beating()
+    out = in_threads({me: partial(sources[me].recover, me, gen, 11, boom) for me in pods[:2]})
+    assert out[pods[0]] == out[pods[1]]
+    recovery = out[pods[0]]
+    assert recovery.generation == Generation(index=0, at_step=8, members=pods[:2])
+    assert recovery.lost == (pods[2],) and recovery.failed_at == 11
+    assert recovery.checkpoint == str(tmp_path / "step-00000008")
+    assert recovery.world == "recovery2"
+    assert sources[pods[0]].lost == {pods[2]}
+    assert sources[pods[0]].layout(recovery.generation).pp == 2
+
+    # The operator asked j-worker-1 to leave; it hangs (its heartbeat goes on) and is
+    # deleted at the deadline. The leader does not wait for it: the target's generation
+    # runs, from the checkpoint before the failure.
+    box["target"] = Target(workers=1, generation=1, release=(pods[1],))
+    started_at = time.monotonic()
+    recovery = sources[pods[0]].recover(pods[0], recovery.generation, 7, boom)
+    assert time.monotonic() - started_at < 0.5  # not lost_after_s
+    assert recovery.generation == Generation(index=1, at_step=4, members=pods[:1])
+    assert recovery.lost == (pods[1],) and recovery.world == "recovery3"
+    assert sources[pods[0]].applied == 1
+    # A released pod that reports late learns that it is no member and leaves.
+    assert sources[pods[1]].recover(pods[1], gen, 7, boom) is None
+    for source in sources.values():
+        source.stop_beating()
+    time.sleep(0.1)  # the beats stop before the store does
+
+
 # ---- tidal agent, one process per pod ------------------------------------------------------------
 
 
@@ -333,8 +427,7 @@ class _Observer:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api, tmp_path):
-    from tidal_agent.runner import resolve_layout, run_local
-    from tidal_api import ScaleTable, parse_job
+    from tidal_api import ScaleTable
 
     steps = 80
     doc = _job_doc(steps=steps)
@@ -359,9 +452,7 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
                                      "reason": "PendingGPUPods"}})
         observer.until(lambda s: s.get("generation") == 2, 60, "generation 2")
         assert pods.wait(w1, 60) == 0, pods.log(w1)
-        for pod in (w0, w2):
-            assert pods.wait(pod, 120) == 0, pods.log(pod)
-        observer.until(lambda s: s.get("step") == steps, 10, "the final step")
+        _finish(pods, observer, (w0, w2), steps)
     finally:
         observer.stop()
         pods.stop()
@@ -391,6 +482,22 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
     switches = [c["at_step"] for c in report["reconfigurations"]]
     assert len(switches) == 2 and 5 <= switches[0] < switches[0] + 5 <= switches[1] < steps
     assert pps == [2] * switches[0] + [3] * (switches[1] - switches[0]) + [2] * (steps - switches[1])
+    _assert_bits_of_a_static_run(report, doc, steps)
+
+
+def _finish(pods: _Pods, observer: _Observer, survivors, steps: int) -> None:
+    """The survivors train to the last step and exit 0."""
+    for pod in survivors:
+        assert pods.wait(pod, 180) == 0, pods.log(pod)
+    observer.until(lambda s: s.get("step") == steps, 10, "the final step")
+
+
+def _assert_bits_of_a_static_run(report: dict, doc: dict, steps: int) -> None:
+    """Every step once, with the losses and final parameters of a fixed 2-worker run."""
+    from tidal_agent.runner import resolve_layout, run_local
+    from tidal_api import parse_job
+
+    assert [s["step"] for s in report["steps"]] == list(range(steps))
     job = parse_job(doc)
     static = run_local(job, resolve_layout(job, workers=2), steps=steps, timeout_s=120)
     assert [s["loss_hex"] for s in report["steps"]] == [s["loss_hex"] for s in static["steps"]]
@@ -417,3 +524,59 @@ def test_agent_refuses_what_it_cannot_run(emulator, api):
     result = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "set TIDAL_POD, TIDAL_RENDEZVOUS_HOST" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api, tmp_path):
+    """The fault path: a pod that does not drain and is deleted at the deadline, then a pod
+    killed with no target at all. Each time the survivors go on from the last checkpoint
+    without a restart, and the run's losses and parameters are a static run's, bit for bit."""
+    steps, every = 36, 4
+    doc = _job_doc(steps=steps)
+    doc["spec"]["checkpoint"] = {"path": str(tmp_path / "ckpt"), "everySteps": every}
+    _create(api, doc)
+    pods = _Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json")
+    observer = _Observer(api)
+    w0, w1, w2, w3 = (f"tiny-worker-{i}" for i in range(4))
+    _set_status(api, {"target": {"workers": 4, "generation": 0, "join": [w0, w1, w2, w3],
+                                 "release": [], "reason": "Initial"}})
+    try:
+        for index in range(4):
+            pods.start(index)
+        observer.until(lambda s: s.get("members") == [w0, w1, w2, w3], 120, "generation 0")
+        observer.until(lambda s: s.get("step", 0) >= 6, 60, "step 6")
+        # w3 hangs (it will not drain), is asked to leave, and is deleted at the deadline.
+        pods.procs[w3].send_signal(signal.SIGSTOP)
+        _set_status(api, {"target": {"workers": 3, "generation": 1, "release": [w3],
+                                     "reason": "PendingGPUPods"}})
+        time.sleep(1.0)
+        pods.procs[w3].kill()
+        shrunk = observer.until(lambda s: s.get("members") == [w0, w1, w2], 120,
+                                "the survivors of the drain deadline")
+        assert shrunk["generation"] == 1  # the target's: the operator sees it applied
+        observer.until(lambda s: s.get("step", 0) >= 14, 120, "step 14")
+        # w1's node goes: no target names it.
+        pods.procs[w1].kill()
+        lost = observer.until(lambda s: s.get("members") == [w0, w2], 120, "the second recovery")
+        assert lost["generation"] == 1
+        _finish(pods, observer, (w0, w2), steps)
+    finally:
+        observer.stop()
+        pods.stop()
+
+    report = json.loads((tmp_path / "report.json").read_text())
+    first, second = report["recoveries"]
+    assert first["lost"] == [w3] and second["lost"] == [w1]
+    for recovery, members in ((first, [w0, w1, w2]), (second, [w0, w2])):
+        assert recovery["members"] == members and recovery["generation"] == 1
+        # Resumed at the newest checkpoint not past the failure: at most one interval lost.
+        assert recovery["resumed_at"] % every == 0
+        assert 0 <= recovery["failed_at"] - recovery["resumed_at"] <= every
+        assert recovery["checkpoint"].endswith(f"step-{recovery['resumed_at']:08d}")
+        assert recovery["layout"]["pp"] == len(members)
+    assert first["failed_at"] >= 6 and second["failed_at"] >= 14
+    # Every step once in the final report (the replayed ones replace the lost ones), and the
+    # bits of a run that never lost a worker.
+    _assert_bits_of_a_static_run(report, doc, steps)
+    assert "lost at step" in pods.log(w0) and "lost at step" in pods.log(w2)
