@@ -1,0 +1,96 @@
+"""DESIGN.md section 3's fault path through the real operator: a worker that does not drain is
+deleted at the drain deadline, and the job goes on without a restart.
+
+The one-machine cluster of ``tidal local`` (the API emulator, scheduler and kubelet,
+``tidal-operator``, one ``tidal agent`` process per worker pod); the test only stops a worker's
+process (SIGSTOP: it hangs) and asks for its GPU with a non-elastic pod, as another team would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from lightkube import Client
+from lightkube.config.kubeconfig import KubeConfig
+from lightkube.resources.core_v1 import Event, Pod
+
+from tidal_agent.control import ElasticTrainingJobResource as ETJ
+from tidal_agent.runner import resolve_layout, run_local
+from tidal_api import parse_job
+from tidal_operator.local.arrivals import batch_pod
+from tidal_operator.local.cluster import ClusterConfig, LocalCluster
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "default"
+
+
+def _until(check, timeout_s: float, what: str, cluster: LocalCluster):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cluster.check()
+        if value := check():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; operator log:\n"
+                         f"{cluster.operator_log.read_text()[-3000:]}")
+
+
+@pytest.mark.timeout(420)
+def test_a_worker_that_does_not_drain_is_deleted_and_the_job_goes_on(tmp_path):
+    steps = 240
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["metadata"] = {"name": "tiny", "namespace": NAMESPACE}
+    doc["spec"]["workers"] = {"min": 2, "max": 3}
+    doc["spec"]["training"]["steps"] = steps
+    doc["spec"]["checkpoint"] = {"path": str(tmp_path / "ckpt"), "everySteps": 10}
+    doc["spec"]["scaling"] = {"probabilityThreshold": 0.5, "cooldownSeconds": 0,
+                              "switchOverheadSeconds": 1, "drainTimeoutSeconds": 3}
+    w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
+    config = ClusterConfig(workdir=tmp_path / "local", nodes=1, gpus_per_node=3,
+                           operator_interval_s=0.3, publish_interval_s=0.2)
+    with LocalCluster(config) as cluster:
+        api = Client(KubeConfig.from_file(cluster.kubeconfig).get())
+        try:
+            def status() -> dict:
+                return dict(api.get(ETJ, "tiny", namespace=NAMESPACE)).get("status") or {}
+
+            api.create(ETJ(doc), namespace=NAMESPACE)
+            # The third GPU is idle: the operator grows the job into it.
+            _until(lambda: status().get("members") == [w0, w1, w2], 120, "the scale-up", cluster)
+            hung = cluster.runtime.pids()[f"{NAMESPACE}/{w2}"]
+            os.killpg(hung, signal.SIGSTOP)
+            api.create(Pod.from_dict(batch_pod("batch", NAMESPACE, gpus=1, duration_s=600)))
+            target = _until(lambda: (t := status().get("target")) and t.get("release") and t,
+                            30, "the scale-down", cluster)
+            assert target["release"] == [w2]
+            # Deleted at the deadline (and killed after the pod's grace period, as a kubelet
+            # does): the survivors go on in the generation the scale-down asked for.
+            shrunk = _until(lambda: (s := status()).get("members") == [w0, w1] and s, 120,
+                            "the survivors' generation", cluster)
+            assert shrunk["generation"] == target["generation"]
+            _until(lambda: api.get(Pod, "batch", namespace=NAMESPACE).status.phase == "Running",
+                   60, "the non-elastic pod to run", cluster)
+            _until(lambda: status().get("phase") == "Succeeded", 240, "the job to finish", cluster)
+            reasons = {e.reason for e in api.list(Event, namespace=NAMESPACE)}
+            assert {"ScaleUp", "ScaleDown", "DrainDeadline"} <= reasons, reasons
+            report = json.loads(cluster.runtime.report_path(NAMESPACE, w0).read_text())
+        finally:
+            api.close()
+
+    (recovery,) = report["recoveries"]
+    assert recovery["lost"] == [w2] and recovery["members"] == [w0, w1]
+    assert recovery["resumed_at"] % 10 == 0 and recovery["failed_at"] >= recovery["resumed_at"]
+    # The job's losses and parameters are a static run's, bit for bit.
+    assert [s["step"] for s in report["steps"]] == list(range(steps))
+    job = parse_job(doc)
+    static = run_local(job, resolve_layout(job, workers=2), steps=steps, timeout_s=120)
+    assert [s["loss_hex"] for s in report["steps"]] == [s["loss_hex"] for s in static["steps"]]
+    assert report["params_sha256"] == static["params_sha256"]
