@@ -149,6 +149,14 @@ def dashboard() -> Dashboard:
         "State moved by switches", "Bytes of parameters and optimizer state moved per interval.",
         (f"increase(tidal_agent_bytes_moved_total{{{JOB}}}[$__rate_interval])", "moved"),
         unit="bytes").draw_style(GraphDrawStyle.BARS).fill_opacity(80))
+    board.with_panel(chart(
+        "Faults",
+        "Workers lost (deleted at a drain deadline, or gone with their node) and the steps "
+        "trained again from the last checkpoint, per interval.",
+        (f"increase(tidal_agent_lost_workers_total{{{JOB}}}[$__rate_interval])", "lost workers"),
+        (f"increase(tidal_agent_replayed_steps_total{{{JOB}}}[$__rate_interval])",
+         "replayed steps"),
+    ).draw_style(GraphDrawStyle.BARS).fill_opacity(80))
 
     board.with_row(Row("Cluster"))
     board.with_panel(chart(

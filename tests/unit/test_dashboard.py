@@ -131,6 +131,19 @@ def test_agent_metrics_follow_the_leaders_events():
     assert got[("tidal_agent_switch_pause_seconds_count", *job)] == 1
     assert got[("tidal_agent_bytes_moved_total", *job)] == 4096
 
+    # A fault: worker c is lost at step 4 and the survivors resume from step 2's checkpoint.
+    report.put(("step", "a", {"step": 3, "loss": 1.5, "seconds": 0.3, "layout": three.to_dict()}))
+    report.put(("recovered", "a", {
+        "failed_at": 4, "resumed_at": 2, "checkpoint": "ckpt/step-00000002", "lost": ["c"],
+        "generation": 1, "members": ["a", "b"], "layout": two.to_dict(), "pause_s": 0.4}))
+    got = _samples(metrics.registry)
+    assert [s["step"] for s in report.steps] == [0, 1]  # 2 and 3 are trained again
+    assert report.recoveries[-1]["replayed_steps"] == 2
+    assert got[("tidal_agent_recoveries_total", *job)] == 1
+    assert got[("tidal_agent_lost_workers_total", *job)] == 1
+    assert got[("tidal_agent_replayed_steps_total", *job)] == 2
+    assert (got[("tidal_agent_workers", *job)], got[("tidal_agent_pp", *job)]) == (2, 2)
+
 
 def test_only_the_leader_exports_the_jobs_series_and_both_serve_them():
     leader = AgentMetrics(namespace="ns", job="j", pod="j-worker-0", leader=True)
