@@ -500,7 +500,8 @@ class ControlledGenerations:
             decision = self._recovery(trained, step, fault, error)
             self.store.set(f"{fault}/decision", json.dumps(decision))
         else:
-            self.store.wait([f"{fault}/decision"], timedelta(seconds=self.fault_wait_s))
+            # The leader may wait fault_wait_s for members, then plan: wait past that.
+            self.store.wait([f"{fault}/decision"], timedelta(seconds=self.fault_wait_s + 60))
             decision = json.loads(self.store.get(f"{fault}/decision"))
         self.recoveries += 1
         if "abort" in decision:
