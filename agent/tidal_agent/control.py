@@ -676,8 +676,6 @@ class AgentReport:
         replayed = sum(1 for s in self.steps if s["step"] >= resumed)
         self.steps = [s for s in self.steps if s["step"] < resumed]
         self.recoveries.append({**payload, "replayed_steps": replayed})
-        log.warning("recovered from losing %s at step %d: %d steps to replay from step %d",
-                    payload["lost"], payload["failed_at"], replayed, resumed)
         if self.metrics is not None:
             self.metrics.recovered(len(payload["lost"]), replayed)
         gen = Generation(index=payload["generation"], at_step=resumed,
