@@ -52,6 +52,7 @@ from pydantic import ValidationError
 
 from tidal_agent import checkpoint
 from tidal_agent.metrics import AgentMetrics, JobMetrics
+from tidal_agent.snapshot import Cut, choose_cut
 from tidal_api import GROUP, KIND, VERSION, AppliedLayout, ElasticTrainingJob, JobStatus, Target
 from tidal_api import keys, parse_job
 from tidal_plan.elastic import Generation, TargetError, data_parallel_degree, next_generation
@@ -314,8 +315,10 @@ class ControlledGenerations:
     for ``lost_after_s`` (no heartbeat), then names the survivors' generation. Pods the
     newest target releases are not in it, so a pod the operator deleted at a drain deadline
     ends in the generation that target asked for, under its number. Training resumes at the
-    newest complete checkpoint under ``checkpoint_root`` that is not past the failed step, or
-    from step 0 (everything is a function of the seed and the step, so the replay is exact).
+    newest step boundary the survivors' peer snapshots hold whole (their reports say what each
+    holds; ``tidal_agent.snapshot.choose_cut``), else at the newest complete checkpoint under
+    ``checkpoint_root`` that is not past the failed step, else from step 0 (everything is a
+    function of the seed and the step, so the replay is exact).
     A failure with no member lost is a bug, not a fault: every survivor raises its error.
     """
 
@@ -489,13 +492,14 @@ class ControlledGenerations:
         self.store.delete_key(f"gen/{self.me}")
         self.store.delete_key(f"pod/{self.me}")
 
-    def recover(self, me: str, trained: Generation, step: int,
-                error: Exception) -> Recovery | None:
+    def recover(self, me: str, trained: Generation, step: int, error: Exception,
+                held: dict[str, Any] | None = None) -> Recovery | None:
         from tidal_agent.worker import Recovery
 
         fault = f"fault/{self.recoveries}"
         self.store.set(f"{fault}/at/{me}", json.dumps(
-            {"step": step, "error": f"{type(error).__name__}: {error}"[:500]}))
+            {"step": step, "error": f"{type(error).__name__}: {error}"[:500],
+             "held": held or {}}))
         if me == self._leader:
             decision = self._recovery(trained, step, fault, error)
             self.store.set(f"{fault}/decision", json.dumps(decision))
@@ -509,14 +513,17 @@ class ControlledGenerations:
             raise error
         gen, layout = _gen_from(decision["generation"])
         self._layouts[gen.index] = layout
+        cut = Cut.from_json(decision["snapshot"]) if decision.get("snapshot") else None
+        source = ("peer snapshots" if cut is not None else decision["checkpoint"]
+                  or "from scratch")
         log.warning("recovery %d: %s lost at step %d; %s go on in %s from step %d (%s)",
                     self.recoveries, decision["lost"], decision["failed_at"], list(gen.members),
-                    layout.describe(), gen.at_step, decision["checkpoint"] or "from scratch")
+                    layout.describe(), gen.at_step, source)
         if me not in gen.members:
             return None
         return Recovery(generation=gen, world=f"recovery{self.recoveries}",
                         checkpoint=decision["checkpoint"], failed_at=decision["failed_at"],
-                        lost=tuple(decision["lost"]))
+                        lost=tuple(decision["lost"]), snapshot=cut)
 
     def _recovery(self, trained: Generation, step: int, fault: str,
                   error: Exception) -> dict[str, Any]:
@@ -545,13 +552,17 @@ class ControlledGenerations:
         except LayoutError as err:
             return {"abort": f"no layout for the {len(survivors)} survivors: {err}"}
         resume, path = 0, None
+        cut = choose_cut({p: json.loads(self.store.get(f"{fault}/at/{p}")).get("held", {})
+                          for p in survivors})
         saved = checkpoint.latest(self.checkpoint_root, at_most=step) if self.checkpoint_root \
             else None
-        if saved is not None:
-            resume, path = saved[0], str(saved[1])
+        if cut is not None and (saved is None or cut.step >= saved[0]):
+            resume = cut.step
+        elif saved is not None:
+            resume, path, cut = saved[0], str(saved[1]), None
         else:
-            log.warning("no complete checkpoint to recover from: the survivors start afresh "
-                        "from step 0 (set spec.checkpoint to lose less)")
+            log.warning("no whole peer snapshot and no complete checkpoint to recover from: the "
+                        "survivors start afresh from step 0 (set spec.checkpoint to lose less)")
         gen = Generation(index=index, at_step=resume, members=survivors)
         self._layouts[index] = layout
         self.current, self.applied = gen, index
@@ -559,7 +570,7 @@ class ControlledGenerations:
         if self._report is not None:
             self._report.planned(index, predicted)
         return {"generation": _gen_json(gen, layout), "lost": lost, "failed_at": step,
-                "checkpoint": path}
+                "checkpoint": path, "snapshot": cut.to_json() if cut is not None else None}
 
     def _survivors(self, members: list[str], fault: str) -> tuple[set[str], list[str]]:
         """Wait until every member has reported on the fault path or fallen silent: (the
@@ -842,6 +853,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     opts = WorkerOptions(
         rendezvous=rendezvous, steps=steps, threads=threads,
         checkpoint_root=spec.checkpoint.path, checkpoint_every=spec.checkpoint.every_steps,
+        peer_snapshots=spec.checkpoint.peer_snapshots,
     )
     train(identity.pod, spec, opts, report, source)
     if report.digests is not None:  # a final member: the leader hashes all parameters

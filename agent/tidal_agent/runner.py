@@ -88,12 +88,14 @@ def run_elastic(
     resume_from: str | Path | None = None,
     bucket_bytes: int = 256 << 20,
     profile_out: str | Path | None = None,
+    peer_snapshots: bool = False,
 ) -> dict[str, Any]:
     """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
     With ``resume_from`` (a checkpoint directory) training continues from the step it was saved
     at, in the first generation's layout whatever the layout that saved it. ``spec.checkpoint``
-    sets periodic saves.
+    sets periodic saves. A fixed schedule has no fault path, so peer snapshots are off unless
+    ``peer_snapshots`` (to measure what they cost).
     """
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -114,6 +116,7 @@ def run_elastic(
         bucket_bytes=bucket_bytes,
         profile_out=str(profile_out) if profile_out else None,
         profile_steps=profile_window(steps) if profile_out else (0, 0),
+        peer_snapshots=peer_snapshots,
     )
     ctx = mp.get_context("spawn")
     events = ctx.Queue()

@@ -12,6 +12,7 @@ step and need no state.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +48,11 @@ def execute_reshard(
     *,
     world: World,
     me: str,
-    old_state: dict[str, torch.Tensor] | None,
+    old_state: Mapping[str, torch.Tensor] | None,
     new_state: dict[str, torch.Tensor] | None,
     bucket_bytes: int,
+    senders: Mapping[str, str] | None = None,
+    held: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> TransferStats:
     """Run ``plan``'s transfers on this worker: send from ``old_state``, receive into ``new_state``.
 
@@ -58,9 +61,14 @@ def execute_reshard(
     sends and receives are posted together and waited for before the next bucket, so at most
     ``bucket_bytes`` are in flight per worker and the order cannot deadlock. A joiner has no
     ``old_state``; a leaver has no ``new_state``.
+
+    On the fault path the plan's sources include lost workers: ``senders`` names the survivor
+    that sends in each one's place, from the copy of its state it ``held`` (by lost worker; see
+    ``tidal_agent.snapshot``); a piece it sends to itself is copied.
     """
     started = time.perf_counter()
     rank = {member: i for i, member in enumerate(world.members)}
+    senders, held = senders or {}, held or {}
     sent = received = 0
     buckets = bucketize(plan, bucket_bytes)
     tag = 0
@@ -69,13 +77,18 @@ def execute_reshard(
         for transfer in bucket:
             tag += 1
             region = slice(transfer.region.start, transfer.region.stop)
-            if transfer.src == me:
-                piece = old_state[transfer.tensor].view(-1)[region]
+            src = senders.get(transfer.src, transfer.src)
+            if src == me:
+                state = old_state if transfer.src == me else held[transfer.src]
+                piece = state[transfer.tensor].view(-1)[region]
+                if transfer.dst == me:
+                    new_state[transfer.tensor].view(-1)[region].copy_(piece)
+                    continue
                 works.append(world.send(piece, rank[transfer.dst], tag))
                 sent += transfer.nbytes
             if transfer.dst == me:
                 target = new_state[transfer.tensor].view(-1)[region]
-                works.append(world.recv(target, rank[transfer.src], tag))
+                works.append(world.recv(target, rank[src], tag))
                 received += transfer.nbytes
         for work in works:
             work.wait()

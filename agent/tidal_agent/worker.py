@@ -19,8 +19,11 @@ The fault path: when a step or a switch fails (a member died: its sockets closed
 did), the worker closes every world it holds, so members still blocked on it fail too, and asks
 its source to ``recover``. A schedule known in advance cannot (``tidal run`` stops and names the
 lost worker; ``--resume`` continues); the operator's source agrees with the other survivors on a
-generation without the lost members, which resumes from the job's last complete checkpoint (from
-step 0 without one) and replays the steps since, bit for bit in strict mode.
+generation without the lost members. With peer snapshots (``WorkerOptions.peer_snapshots``:
+every member copies its state at each step boundary and its ring neighbour keeps a copy too,
+``tidal_agent.snapshot``) the survivors rebuild the state of the newest boundary they hold
+whole and replay only the step in flight; else they resume from the job's last complete
+checkpoint (from step 0 without one) and replay the steps since; bit for bit in strict mode.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from tidal_agent import checkpoint
 from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile, calibrate_trainer, time_collectives
+from tidal_agent.snapshot import Cut, PeerSnapshots
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer, model_config
 from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world, drop_default_group
@@ -60,9 +64,11 @@ class Recovery:
 
     generation: Generation  # the survivors; at_step is the step training resumes at
     world: str  # the name of its world: a fresh one for every recovery
-    checkpoint: str | None  # the checkpoint to load (saved at at_step); None: start afresh
+    checkpoint: str | None  # the checkpoint to load (saved at at_step)
     failed_at: int  # the step (or switch boundary) the leader was at when it failed
     lost: tuple[str, ...]  # the members that did not survive
+    snapshot: Cut | None = None  # the peer snapshots to rebuild from (at at_step)
+    # neither checkpoint nor snapshot: start afresh from step 0
 
 
 class GenerationSource(Protocol):
@@ -87,11 +93,12 @@ class GenerationSource(Protocol):
     def following(self, gen: Generation, step: int) -> Generation | None:
         """At the boundary before ``step``: the generation after ``gen`` if it is known."""
 
-    def recover(self, me: str, trained: Generation, step: int,
-                error: Exception) -> Recovery | None:
-        """``me`` failed at ``step`` in generation ``trained`` with ``error``: where the
-        survivors go on (None if ``me`` is not one of them). Raises ``error`` when training
-        cannot go on: nothing to recover with, or no member was lost (a bug, not a fault)."""
+    def recover(self, me: str, trained: Generation, step: int, error: Exception,
+                held: dict[str, Any] | None = None) -> Recovery | None:
+        """``me`` failed at ``step`` in generation ``trained`` with ``error``, holding the peer
+        snapshots ``held`` describes (``PeerSnapshots.summary``): where the survivors go on
+        (None if ``me`` is not one of them). Raises ``error`` when training cannot go on:
+        nothing to recover with, or no member was lost (a bug, not a fault)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +123,8 @@ class StaticGenerations:
         nxt = gen.index + 1
         return self.generations[nxt] if nxt < len(self.generations) else None
 
-    def recover(self, me: str, trained: Generation, step: int,
-                error: Exception) -> Recovery | None:
+    def recover(self, me: str, trained: Generation, step: int, error: Exception,
+                held: dict[str, Any] | None = None) -> Recovery | None:
         raise error  # the launcher names the lost worker; --resume goes on without it
 
 
@@ -132,6 +139,7 @@ class WorkerOptions:
     resume_from: str | None = None  # a checkpoint directory
     checkpoint_root: str | None = None
     checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
+    peer_snapshots: bool = False  # copy the state to a ring neighbour at every step boundary
     bucket_bytes: int = 256 << 20  # in flight per worker during a reshard
     profile_out: str | None = None  # write the online profile (JSON) here
     profile_steps: tuple[int, int] = (3, 8)  # [first, last) steps profiled (profile_window)
@@ -179,6 +187,7 @@ class _Worker:
             self.device = torch.device("cuda", int(me.rsplit("-", 1)[1]) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         self.metas = state_metadata(model_config(spec))
+        self.snapshots = PeerSnapshots(self.metas, self.device) if opts.peer_snapshots else None
         self._last_step_end: float | None = None
         self._gen: Generation | None = None  # where training is: for the fault path
         self._step = 0
@@ -234,6 +243,9 @@ class _Worker:
         following = builder = plan = None
         while step < opts.steps:
             self._step = step
+            if self.snapshots is not None:
+                self.snapshots.take(world, gen.index, source.layout(gen), step,
+                                    trainer.state_tensors())
             if following is None:
                 following = source.following(gen, step)
                 if following is not None:  # build its world and plan while this one trains
@@ -260,21 +272,28 @@ class _Worker:
         traceback.clear_frames(err.__traceback__)
         drop_default_group()
         gc.collect()
-        return self.source.recover(self.me, self._gen, self._step, err)
+        held = self.snapshots.summary() if self.snapshots is not None else None
+        return self.source.recover(self.me, self._gen, self._step, err, held)
 
     def _resume(self, recovery: Recovery, failed: float) -> tuple[Trainer, World, int]:
-        """Go on in the survivors' generation from its checkpoint (or from step 0)."""
+        """Go on in the survivors' generation from the peer snapshots, a checkpoint or step 0."""
         gen = recovery.generation
         self._gen, self._step = gen, gen.at_step
         world = build_world(self.opts.rendezvous, gen.index, gen.members, self.me,
                             name=recovery.world)
-        trainer = self._trainer(gen, world, initialise=recovery.checkpoint is None)
-        if recovery.checkpoint is not None:
+        fresh = recovery.checkpoint is None and recovery.snapshot is None
+        trainer = self._trainer(gen, world, initialise=fresh)
+        if recovery.snapshot is not None:
+            self._rebuild(recovery.snapshot, gen, world, trainer)
+        elif recovery.checkpoint is not None:
             checkpoint.load(trainer, recovery.checkpoint)
+        if self.snapshots is not None:
+            self.snapshots.clear()  # copies of a world that is gone
         if self.leader:
             self.events.put(("recovered", self.me, {
                 "failed_at": recovery.failed_at,
                 "resumed_at": gen.at_step,
+                "snapshot": recovery.snapshot is not None,
                 "checkpoint": recovery.checkpoint,
                 "lost": list(recovery.lost),
                 "generation": gen.index,
@@ -283,6 +302,21 @@ class _Worker:
                 "pause_s": time.perf_counter() - failed,
             }))
         return trainer, world, gen.at_step
+
+    def _rebuild(self, cut: Cut, gen: Generation, world: World, trainer: Trainer) -> None:
+        """Set ``trainer``'s state to the cut's: a reshard from the cut's placement, each lost
+        member's part sent by the survivor that keeps its copy."""
+        plan = plan_reshard(Placement(layout=cut.layout, workers=cut.members),
+                            Placement(layout=self.source.layout(gen), workers=gen.members),
+                            self.metas)
+        own, held = self.snapshots.held(cut, self.me)
+        state = trainer.state_tensors()
+        incoming = {t.tensor for t in plan.transfers if t.dst == self.me}
+        for name, tensor in state.items():
+            if name not in incoming:  # held in the cut's placement too
+                tensor.view(-1).copy_(own[name])
+        execute_reshard(plan, world=world, me=self.me, old_state=own, new_state=state,
+                        bucket_bytes=self.opts.bucket_bytes, senders=cut.senders, held=held)
 
     def _train_step(self, trainer: Trainer, step: int) -> None:
         first, last = self.opts.profile_steps
@@ -301,6 +335,7 @@ class _Worker:
             self.events.put(("step", self.me, {
                 "step": result.step, "loss": result.loss, "loss_hex": float.hex(result.loss),
                 "grad_norm": result.grad_norm, "lr": result.lr, "seconds": seconds,
+                "snapshot_s": self.snapshots.seconds if self.snapshots is not None else None,
                 "layout": trainer.layout.to_dict(),
             }))
         if profiling and step == last - 1:

@@ -210,6 +210,11 @@ class CheckpointSpec(_Spec):
         None, description="Directory the checkpoints go to, on storage every worker can reach."
     )
     every_steps: int = Field(0, ge=0, description="0 turns periodic checkpoints off.")
+    peer_snapshots: bool = Field(
+        True, description="At every step boundary each worker copies its state and the next "
+        "worker keeps a copy too, so a lost worker costs only the step in flight; the price is "
+        "four times the state's memory per worker and one state-sized transfer per step."
+    )
 
 
 class ResourcesSpec(_Spec):

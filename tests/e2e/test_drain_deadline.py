@@ -87,7 +87,9 @@ def test_a_worker_that_does_not_drain_is_deleted_and_the_job_goes_on(tmp_path):
 
     (recovery,) = report["recoveries"]
     assert recovery["lost"] == [w2] and recovery["members"] == [w0, w1]
-    assert recovery["resumed_at"] % 10 == 0 and recovery["failed_at"] >= recovery["resumed_at"]
+    # From the peer snapshots (the default): only the step in flight is replayed.
+    assert recovery["snapshot"] is True and recovery["checkpoint"] is None
+    assert 0 <= recovery["failed_at"] - recovery["resumed_at"] <= 1
     # The job's losses and parameters are a static run's, bit for bit.
     assert [s["step"] for s in report["steps"]] == list(range(steps))
     job = parse_job(doc)
