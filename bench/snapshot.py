@@ -26,6 +26,7 @@ sys.path[:0] = [str(ROOT / "agent"), str(ROOT / "operator"), str(ROOT / "bench")
 from reshard import _job  # noqa: E402  (the same model and job as the reshard benchmark)
 
 from tidal_agent.runner import resolve_layout, run_local  # noqa: E402
+from tidal_agent.snapshot import state_index  # noqa: E402
 from tidal_agent.switch import state_metadata  # noqa: E402
 from tidal_agent.trainer import model_config  # noqa: E402
 from tidal_plan.reshard import Placement  # noqa: E402
@@ -43,8 +44,8 @@ def _state_bytes(workers: int) -> int:
     layout = resolve_layout(job, workers=workers)
     placement = Placement(layout=layout, workers=tuple(range(workers)))
     metas = state_metadata(model_config(job.spec))
-    return max(sum(m.nbytes for m in metas if w in placement.holders(m.unit))
-               for w in range(workers))
+    return 4 * max(sum(n for _, n in state_index(metas, placement, w).values())
+                   for w in range(workers))  # float32
 
 
 def main() -> None:

@@ -152,7 +152,7 @@ def dashboard() -> Dashboard:
     board.with_panel(chart(
         "Faults",
         "Workers lost (deleted at a drain deadline, or gone with their node) and the steps "
-        "trained again from the last checkpoint, per interval.",
+        "trained again from the peer snapshot or checkpoint resumed from, per interval.",
         (f"increase(tidal_agent_lost_workers_total{{{JOB}}}[$__rate_interval])", "lost workers"),
         (f"increase(tidal_agent_replayed_steps_total{{{JOB}}}[$__rate_interval])",
          "replayed steps"),

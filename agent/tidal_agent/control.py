@@ -17,8 +17,8 @@ Three parts, one per concern:
   step, so all switch at the same boundary; a joiner reads ``gen/<pod>``. A scale-up is
   announced once every pod it joins has registered. When a member is lost (the operator
   deleted it at a drain deadline, or its node went), the survivors agree through the store on
-  a generation without it, which resumes from the job's last complete checkpoint
-  (``recover``).
+  a generation without it, which resumes from the peer snapshots of the step in flight or
+  from the job's last complete checkpoint (``recover``).
 - ``AgentReport`` turns the worker's events into status fields and Prometheus metrics
   (tidal_agent.metrics) on the leader and keeps the JSON report of a run (per-step losses,
   switches, the parameter digest).

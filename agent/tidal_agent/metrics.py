@@ -59,7 +59,7 @@ class JobMetrics:
             "lost_workers", "Members lost to faults (killed, deleted at a drain deadline).",
             labels, **common).labels(*values)
         self.replayed_steps = Counter(
-            "replayed_steps", "Steps trained again after a fault, from the last checkpoint.",
+            "replayed_steps", "Steps trained again after a fault, from the peer snapshot or checkpoint resumed from.",
             labels, **common).labels(*values)
         self.pause = Histogram(
             "switch_pause_seconds", "Pauses of the switches.", labels, buckets=PAUSE_BUCKETS,

@@ -81,8 +81,7 @@ class _Copy:
         return {name: self.flat[o:o + n] for name, (o, n) in self.index.items()}
 
     def summary(self) -> dict[str, Any]:
-        return {"generation": self.cut.generation, "members": list(self.cut.members),
-                "layout": self.cut.layout.to_dict(), "step": self.cut.step, "of": self.owner}
+        return {**self.cut.to_json(), "of": self.owner}
 
 
 class PeerSnapshots:
@@ -94,6 +93,7 @@ class PeerSnapshots:
         self.own: list[_Copy] = []  # oldest first
         self.ward: list[_Copy] = []
         self.seconds = 0.0  # the newest take's
+        self._indexes: dict[tuple[Layout, tuple[str, ...], str], dict[str, tuple[int, int]]] = {}
 
     def take(self, world: World, generation: int, layout: Layout, step: int,
              state: Mapping[str, torch.Tensor]) -> None:
@@ -103,8 +103,7 @@ class PeerSnapshots:
         me = world.members[world.rank]
         cut = Cut(generation=generation, members=world.members, layout=layout, step=step,
                   senders={})
-        placement = Placement(layout=layout, workers=world.members)
-        index = self._index(placement, me)
+        index = self._index(layout, world.members, me)
         if set(index) != set(state):
             raise ValueError(f"{me} holds {sorted(set(state) ^ set(index))[:3]}... unlike its "
                              f"position in {layout.describe()}")
@@ -114,7 +113,8 @@ class PeerSnapshots:
         self.own.append(own)
         if world.size > 1:
             ward_name = world.members[(world.rank - 1) % world.size]
-            ward = self._slot(self.ward, cut, ward_name, self._index(placement, ward_name))
+            ward = self._slot(self.ward, cut, ward_name,
+                              self._index(layout, world.members, ward_name))
             works = [world.send(own.flat, (world.rank + 1) % world.size, _TAG),
                      world.recv(ward.flat, (world.rank - 1) % world.size, _TAG)]
             for work in works:
@@ -122,13 +122,14 @@ class PeerSnapshots:
             self.ward.append(ward)  # only now complete
         self.seconds = time.perf_counter() - started
 
-    def _index(self, placement: Placement, worker: str) -> dict[str, tuple[int, int]]:
-        index, offset = {}, 0
-        for meta in self.metas:
-            if meta.unit is None or worker in placement.holders(meta.unit):
-                index[meta.name] = (offset, meta.numel)
-                offset += meta.numel
-        return index
+    def _index(self, layout: Layout, members: tuple[str, ...],
+               worker: str) -> dict[str, tuple[int, int]]:
+        """Where each tensor ``worker`` holds sits in its flat copy (once per generation)."""
+        key = (layout, members, worker)
+        if key not in self._indexes:
+            self._indexes[key] = state_index(self.metas, Placement(layout=layout,
+                                                                   workers=members), worker)
+        return self._indexes[key]
 
     def _slot(self, copies: list[_Copy], cut: Cut, owner: str,
               index: dict[str, tuple[int, int]]) -> _Copy:
@@ -169,6 +170,18 @@ class PeerSnapshots:
         self.ward.clear()
 
 
+def state_index(metas: Sequence[TensorMeta], placement: Placement,
+                worker: str) -> dict[str, tuple[int, int]]:
+    """The state tensors ``worker`` holds in ``placement``, in global order, as name ->
+    (offset, numel) in one flat buffer."""
+    index, offset = {}, 0
+    for meta in metas:
+        if meta.unit is None or worker in placement.holders(meta.unit):
+            index[meta.name] = (offset, meta.numel)
+            offset += meta.numel
+    return index
+
+
 def choose_cut(summaries: Mapping[str, Mapping[str, Any]]) -> Cut | None:
     """The newest whole cut the survivors hold, given each survivor's ``summary()``.
 
@@ -198,8 +211,7 @@ def choose_cut(summaries: Mapping[str, Mapping[str, Any]]) -> Cut | None:
             else:
                 break
         else:
-            return Cut(generation=generation, members=members,
-                       layout=Layout(**found[key]["layout"]), step=step, senders=senders)
+            return Cut.from_json({**found[key], "senders": senders})
     return None
 
 

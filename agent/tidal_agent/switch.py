@@ -95,10 +95,15 @@ def execute_reshard(
     return TransferStats(time.perf_counter() - started, sent, received, len(buckets))
 
 
+def incoming(plan: ReshardPlan, me: str) -> set[str]:
+    """The state tensors ``me`` receives (some of): it held the others before."""
+    return {t.tensor for t in plan.transfers if t.dst == me}
+
+
 def carry_over(plan: ReshardPlan, me: str, old: Trainer, new: Trainer) -> int:
     """Hand the state this worker keeps to its new trainer, without copying; return bytes."""
-    incoming = {t.tensor for t in plan.transfers if t.dst == me}
+    arriving = incoming(plan, me)
     old_state = old.state_tensors()
-    kept = {name: old_state[name] for name in new.state_tensors() if name not in incoming}
+    kept = {name: old_state[name] for name in new.state_tensors() if name not in arriving}
     new.adopt(kept)
     return sum(t.numel() * t.element_size() for t in kept.values())

@@ -47,7 +47,8 @@ from tidal_agent import checkpoint
 from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile, calibrate_trainer, time_collectives
 from tidal_agent.snapshot import Cut, PeerSnapshots
-from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
+from tidal_agent.switch import (TransferStats, carry_over, execute_reshard, incoming,
+                                state_metadata)
 from tidal_agent.trainer import Trainer, model_config
 from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world, drop_default_group
 from tidal_api import JobSpec
@@ -311,9 +312,9 @@ class _Worker:
                             self.metas)
         own, held = self.snapshots.held(cut, self.me)
         state = trainer.state_tensors()
-        incoming = {t.tensor for t in plan.transfers if t.dst == self.me}
+        arriving = incoming(plan, self.me)
         for name, tensor in state.items():
-            if name not in incoming:  # held in the cut's placement too
+            if name not in arriving:  # held in the cut's placement too
                 tensor.view(-1).copy_(own[name])
         execute_reshard(plan, world=world, me=self.me, old_state=own, new_state=state,
                         bucket_bytes=self.opts.bucket_bytes, senders=cut.senders, held=held)
