@@ -69,7 +69,7 @@ ElasticTrainingJobResource = create_namespaced_resource(
 
 # The leader's status fields (tidal_api.status): the only ones the agent ever writes.
 AGENT_FIELDS = frozenset({
-    "generation", "members", "layout", "step", "loss", "tokens_per_second", "step_seconds",
+    "generation", "members", "lost", "layout", "step", "loss", "tokens_per_second", "step_seconds",
     "predicted_step_seconds", "last_switch_seconds", "scale_table",
 })
 
@@ -303,7 +303,8 @@ class ControlledGenerations:
 
     The leader decides; everyone else reads. Keys (under the rendezvous prefix):
     ``reg/count`` and ``reg/<n>`` (pods in registration order), ``pod/<pod>`` (registered),
-    ``gen/<pod>`` (the generation a pod starts in and the one before it),
+    ``gen/<pod>`` (the generation a pod starts in, the one before it, and the number of
+    recoveries so far),
     ``ctl/<recoveries>/<step>`` (``null``, the generation that starts at ``step + 1``, or
     ``{"fault": ...}`` once the leader is recovering), ``end`` (the step training ended at:
     standby pods leave), ``beat/<pod>`` (a counter each pod's heartbeat thread advances) and,
@@ -406,6 +407,7 @@ class ControlledGenerations:
         data = json.loads(self.store.get(key))
         gen, layout = _gen_from(data)
         self._layouts[gen.index] = layout
+        self.recoveries = data.get("recoveries", 0)
         previous = None
         if data.get("previous"):
             previous, old_layout = _gen_from(data["previous"])
@@ -470,9 +472,10 @@ class ControlledGenerations:
         else:
             layout = self._layouts[following.index]
             announced = {**_gen_json(following, layout), "previous": _gen_json(gen, self.layout(gen))}
-            for pod in following.members:
-                if pod not in gen.members:
-                    self.store.set(f"gen/{pod}", json.dumps(announced))
+            for pod in following.members:  # a joiner also learns the recoveries so far, which
+                if pod not in gen.members:  # number the control keys it reads from now on
+                    self.store.set(f"gen/{pod}",
+                                   json.dumps({**announced, "recoveries": self.recoveries}))
             self.store.set(key, json.dumps(announced))
             self.current = following
             log.info("step %d: generation %d (%s) in %s from step %d", step, following.index,
@@ -655,6 +658,7 @@ class AgentReport:
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
+        self.lost: list[str] = []  # every member lost to a fault, in the order they were
         self.generations: list[dict[str, Any]] = []
         self.digests: dict[int, tuple[str, str]] | None = None
         self.left_at: int | None = None
@@ -687,13 +691,14 @@ class AgentReport:
         replayed = sum(1 for s in self.steps if s["step"] >= resumed)
         self.steps = [s for s in self.steps if s["step"] < resumed]
         self.recoveries.append({**payload, "replayed_steps": replayed})
+        self.lost += [p for p in payload["lost"] if p not in self.lost]
         if self.metrics is not None:
             self.metrics.recovered(len(payload["lost"]), replayed)
+        if self.link is not None:  # goes out with the survivors' generation, below
+            self.link.publish(step=resumed, lost=tuple(self.lost))
         gen = Generation(index=payload["generation"], at_step=resumed,
                          members=tuple(payload["members"]))
         self.applied(gen, Layout(**payload["layout"]), switch_s=payload["pause_s"])
-        if self.link is not None:
-            self.link.publish(step=resumed)
 
     def planned(self, index: int, predicted_step_s: float | None) -> None:
         self._predicted[index] = predicted_step_s

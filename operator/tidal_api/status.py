@@ -100,6 +100,10 @@ class JobStatus(_Status):
     # The agent leader's fields.
     generation: int = Field(0, ge=0, description="Generation the agent runs (applied).")
     members: tuple[str, ...] = Field((), description="Pods of the applied generation, in rank order.")
+    lost: tuple[str, ...] = Field(
+        (), description="Pods the fault path declared lost, over the job's life: the operator "
+                        "deletes any still running and never reuses their names."
+    )
     layout: AppliedLayout | None = Field(None, description="Layout of the applied generation.")
     step: int = Field(0, ge=0, description="Optimizer steps done.")
     loss: float | None = Field(None, description="Loss of the last step.")

@@ -12,6 +12,10 @@ Per job and round (``reconcile``):
   - a scale-up target outstanding: make sure each joiner's pod exists;
   - a scale-down target: delete released pods once they have exited, or anyway past the
     deadline (with a Warning Event);
+  - a target that a fault has overtaken (the survivors plus its joiners, less its releases,
+    are not its count): supersede it with the same change on the survivors;
+  - pods the agent declared lost (``status.lost``) that still run are deleted; their names
+    are never given again. Replacing them, up to ``workers.min``, is ``decide``'s;
   - phase, conditions and the job's metrics follow the status the agent publishes.
 Then ``decide`` runs over the whole cluster and its decisions become targets, pods and Events.
 """
@@ -308,7 +312,17 @@ class Controller:
             return
         target = status.target
         pods = self._job_pods(state)
+        for name in status.lost:
+            pod = pods.get(name)
+            if pod is not None and pod.phase not in FINISHED and name not in status.members:
+                log.info("%s: deleting %s, lost to a fault", state.key, name)
+                await self.adapter.delete_pod(name, state.namespace)
         applied = bool(status.members) and status.generation == target.generation
+        written = self._written.get(state.key)
+        if (not applied and status.members and _overtaken(status)
+                and (written is None or written <= target.generation)):  # (not a stale view)
+            await self._supersede(state, now)
+            return
         if not applied and target.join:
             for name in target.join:
                 if name not in pods:
@@ -332,6 +346,26 @@ class Controller:
                             f"to {target.workers} workers; deleted it anyway")
         await self._report(state, pods, applied, now)
 
+    async def _supersede(self, state: _JobState, now: float) -> None:
+        """Replace a target a fault has overtaken (the agent refuses it: its count no longer
+        adds up) by the next generation on the members the fault left: a scale-up's joiners
+        still join (their pods are there); a scale-down's releases are dropped, since the
+        fault freed GPUs too, and the next round decides afresh."""
+        status = state.status
+        old = status.target
+        join = [p for p in old.join if p not in status.members]
+        target = {**old.model_dump(by_alias=True, mode="json"),
+                  "workers": len(status.members) + len(join), "generation": old.generation + 1,
+                  "join": join, "release": [], "deadline": None, "issuedAt": rfc3339(now)}
+        line = (f"generation {old.generation} asked for {old.workers} workers, but a fault left "
+                f"{', '.join(status.members)}: generation {target['generation']} asks for "
+                f"{target['workers']}")
+        await self.adapter.patch_status(state.name, state.namespace, {
+            "target": target, "lastDecision": line})
+        self._written[state.key] = target["generation"]
+        await self.adapter.event(dict(state.body), reason="TargetSuperseded", warning=True,
+                                 now=now, message=line)
+
     async def _initial_target(self, state: _JobState, uid: str, now: float) -> None:
         job = state.job
         join = tuple(builders.worker_name(state.name, i) for i in range(job.spec.workers.min))
@@ -351,10 +385,12 @@ class Controller:
         job, status = state.job, state.status
         target = status.target
         members = [pods.get(m) for m in status.members]
+        failed = [p is not None and p.phase == "Failed" for p in members]
         if status.step >= job.spec.training.steps:
             phase = "Succeeded"  # even with a target left unapplied: the agent takes none at the end
-        elif any(p is not None and p.phase == "Failed" for p in members):
-            phase = "Failed"
+        elif failed and (failed[0] or all(failed)):
+            phase = "Failed"  # the leader (it hosts the rendezvous) or everyone; the agent goes
+            # on without any other member it loses
         elif not applied:
             phase = "Pending" if not status.members else "Scaling"
         else:
@@ -395,8 +431,8 @@ class Controller:
             "issuedAt": rfc3339(now), "join": [], "release": [], "deadline": None,
         }
         if up:
-            taken = [builders.worker_index(n) for n in self._job_pods(state)]
-            taken += [builders.worker_index(n) for n in status.members]
+            taken = [builders.worker_index(n)
+                     for n in (*self._job_pods(state), *status.members, *status.lost)]
             first = max(taken, default=-1) + 1
             count = decision.to_workers - decision.from_workers
             target["join"] = [builders.worker_name(state.name, first + i) for i in range(count)]
@@ -420,6 +456,15 @@ class Controller:
         self.metrics.decided(state.namespace, state.name, decision.kind)
         await self.adapter.event(dict(state.body), reason="ScaleUp" if up else "ScaleDown",
                                  message=f"{decision.reason}: {line}", now=now)
+
+
+def _overtaken(status: JobStatus) -> bool:
+    """Whether a fault has changed the members under the outstanding target: applied to them,
+    it would not give its worker count (the agent refuses it)."""
+    target = status.target
+    joiners = sum(p not in status.members for p in target.join)
+    leavers = sum(p in status.members for p in target.release)
+    return len(status.members) + joiners - leavers != target.workers
 
 
 def contradiction(job: ElasticTrainingJob) -> str | None:

@@ -12,6 +12,10 @@ there whose jobs lose the least throughput, each job shrinking only to a kept sc
 never below its minimum, never releasing its leader. The GPUs of pods an outstanding target
 already releases count as free, so a pod waiting for a drain does not cost a second job.
 
+**Restore** first (see :func:`_restore`): a job that a fault left below its minimum gets new
+workers back to it, whatever else is pending, idle or due: the minimum is what the job was
+admitted with, and the GPUs of its lost pods were its own.
+
 **Scale up** only when no pod is pending, GPUs are idle and no elastic worker pod waits for a
 node (GPUs promised to a joiner are not counted twice); see :func:`_scale_up`.
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from tidal_api import ScaleTable
@@ -33,6 +37,7 @@ from tidal_operator.snapshot import FINISHED_PHASES, ElasticJob, Placement, Pod,
 
 IDLE_GPUS = "IdleGPUs"
 PENDING_GPU_PODS = "PendingGPUPods"
+BELOW_MINIMUM = "BelowMinimum"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,11 +83,62 @@ def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
             if pod.job is not None:
                 workers[pod.key] = pod
     where = _Where(snapshot)
+    restored = _restore(snapshot, free, where)
+    if restored:
+        gone = {d.job for d in restored}
+        snapshot = replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.key not in gone))
+        joiner_unbound = True  # the restored workers are yet to be bound
     if pending:
-        return _scale_down(snapshot, free, pending, workers, where)
+        return restored + _scale_down(snapshot, free, pending, workers, where)
     if joiner_unbound:
-        return ()
+        return restored
     return _scale_up(snapshot, _FreeGPUs(free), now, where)
+
+
+def _restore(snapshot: Snapshot, free: dict[str, int], where: _Where) -> tuple[Decision, ...]:
+    """Back to its minimum, each job that runs below it (after a lost worker, or a raised
+    ``workers.min``), fewest workers first.
+
+    Neither the Poisson rule, the gain floor, the cooldown nor ``enabled`` applies: replacing a
+    lost worker is not elasticity. The new workers take free GPUs where they fit (best fit,
+    ``nodes``); the rest are created anyway and wait for GPUs as any pod does. A busy job
+    (a target outstanding) is left alone: its target comes first.
+    """
+    decisions = []
+    gpus = None
+    for job in sorted(snapshot.jobs, key=lambda j: (j.workers, j.key)):
+        if job.busy or not 0 < job.workers < job.min_workers:
+            continue
+        gpus = gpus or _FreeGPUs(free)  # takes the GPUs it places out of ``free``
+        count = job.min_workers - job.workers
+        nodes = _place(gpus, count, job.gpus_per_worker, where(job.placement))
+        waiting = count - len(nodes)
+        decisions.append(Decision(
+            job=job.key, kind="scale_up", from_workers=job.workers, to_workers=job.min_workers,
+            reason=BELOW_MINIMUM, nodes=tuple(nodes),
+            message=(f"below its minimum ({job.workers} of {job.min_workers} workers): "
+                     f"{count} new workers"
+                     + (f" on {_placed(nodes)}" if nodes else "")
+                     + (f", {waiting} waiting for GPUs" if waiting else "")),
+        ))
+    return tuple(decisions)
+
+
+def _place(free: _FreeGPUs, count: int, size: int, allowed: frozenset[str] | None) -> list[str]:
+    """Nodes for up to ``count`` pods of ``size`` GPUs, one at a time by best fit, taken out of
+    ``free``; fewer where they do not fit."""
+    nodes = []
+    for _ in range(count):
+        node = free.tightest(size, allowed)
+        if node is None:
+            break
+        free.add(node, -size)
+        nodes.append(node)
+    return nodes
+
+
+def _placed(nodes: list[str]) -> str:
+    return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in Counter(nodes).items())
 
 
 class _Where:
@@ -227,19 +283,14 @@ def _grow(job: ElasticJob, free: _FreeGPUs, allowed: frozenset[str] | None,
         return None
     idle = free.idle
     to_workers = rows.workers[best]
-    nodes = []
-    for _ in range(to_workers - job.workers):
-        node = free.tightest(job.gpus_per_worker, allowed)
-        assert node is not None, "slots() counted a place that tightest() cannot find"
-        free.add(node, -job.gpus_per_worker)
-        nodes.append(node)
-    placed = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in Counter(nodes).items())
+    nodes = _place(free, to_workers - job.workers, job.gpus_per_worker, allowed)
+    assert len(nodes) == to_workers - job.workers, "slots() counted places tightest() cannot find"
     return Decision(
         job=job.key, kind="scale_up", from_workers=job.workers, to_workers=to_workers,
         reason=IDLE_GPUS, nodes=tuple(nodes), probability=probability, gain=gain,
         message=(
-            f"{idle} GPUs idle and no GPU pod pending: {len(nodes)} new workers on {placed}, "
-            f"{gain:+.1%} tokens/s; P(idle window outlasts {overhead:.3g} s of "
+            f"{idle} GPUs idle and no GPU pod pending: {len(nodes)} new workers on "
+            f"{_placed(nodes)}, {gain:+.1%} tokens/s; P(idle window outlasts {overhead:.3g} s of "
             f"switching) = {probability:.2f} > {job.probability_threshold:.2f} at "
             f"{rate * 3600:.2f} arrivals/h"
         ),

@@ -1,13 +1,15 @@
 """DESIGN.md section 3's fault path through the real operator: a worker that does not drain is
-deleted at the drain deadline, and the job goes on without a restart.
+deleted at the drain deadline, and the job goes on without a restart; a worker that dies
+unasked is replaced, and the job goes back to its minimum without a restart.
 
 The one-machine cluster of ``tidal local`` (the API emulator, scheduler and kubelet,
-``tidal-operator``, one ``tidal agent`` process per worker pod); the test only stops a worker's
-process (SIGSTOP: it hangs) and asks for its GPU with a non-elastic pod, as another team would.
+``tidal-operator``, one ``tidal agent`` process per worker pod); the tests only stop or kill a
+worker's process and ask for a GPU with a non-elastic pod, as another team would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -43,56 +45,97 @@ def _until(check, timeout_s: float, what: str, cluster: LocalCluster):
                          f"{cluster.operator_log.read_text()[-3000:]}")
 
 
-@pytest.mark.timeout(420)
-def test_a_worker_that_does_not_drain_is_deleted_and_the_job_goes_on(tmp_path):
-    steps = 240
+def _tiny(steps: int, workers: dict, **spec) -> dict:
     doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     doc["metadata"] = {"name": "tiny", "namespace": NAMESPACE}
-    doc["spec"]["workers"] = {"min": 2, "max": 3}
+    doc["spec"]["workers"] = workers
     doc["spec"]["training"]["steps"] = steps
-    doc["spec"]["checkpoint"] = {"path": str(tmp_path / "ckpt"), "everySteps": 10}
-    doc["spec"]["scaling"] = {"probabilityThreshold": 0.5, "cooldownSeconds": 0,
-                              "switchOverheadSeconds": 1, "drainTimeoutSeconds": 3}
-    w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
-    config = ClusterConfig(workdir=tmp_path / "local", nodes=1, gpus_per_node=3,
+    doc["spec"].update(spec)
+    return doc
+
+
+@contextlib.contextmanager
+def _running(doc: dict, tmp_path: Path, gpus: int):
+    """The one-machine cluster with ``gpus`` GPUs on one node, running the job ``doc``:
+    (the cluster, an API client, a function that reads the job's status)."""
+    config = ClusterConfig(workdir=tmp_path / "local", nodes=1, gpus_per_node=gpus,
                            operator_interval_s=0.3, publish_interval_s=0.2)
     with LocalCluster(config) as cluster:
         api = Client(KubeConfig.from_file(cluster.kubeconfig).get())
         try:
-            def status() -> dict:
-                return dict(api.get(ETJ, "tiny", namespace=NAMESPACE)).get("status") or {}
-
             api.create(ETJ(doc), namespace=NAMESPACE)
-            # The third GPU is idle: the operator grows the job into it.
-            _until(lambda: status().get("members") == [w0, w1, w2], 120, "the scale-up", cluster)
-            hung = cluster.runtime.pids()[f"{NAMESPACE}/{w2}"]
-            os.killpg(hung, signal.SIGSTOP)
-            api.create(Pod.from_dict(batch_pod("batch", NAMESPACE, gpus=1, duration_s=600)))
-            target = _until(lambda: (t := status().get("target")) and t.get("release") and t,
-                            30, "the scale-down", cluster)
-            assert target["release"] == [w2]
-            # Deleted at the deadline (and killed after the pod's grace period, as a kubelet
-            # does): the survivors go on in the generation the scale-down asked for.
-            shrunk = _until(lambda: (s := status()).get("members") == [w0, w1] and s, 120,
-                            "the survivors' generation", cluster)
-            assert shrunk["generation"] == target["generation"]
-            _until(lambda: api.get(Pod, "batch", namespace=NAMESPACE).status.phase == "Running",
-                   60, "the non-elastic pod to run", cluster)
-            _until(lambda: status().get("phase") == "Succeeded", 240, "the job to finish", cluster)
-            reasons = {e.reason for e in api.list(Event, namespace=NAMESPACE)}
-            assert {"ScaleUp", "ScaleDown", "DrainDeadline"} <= reasons, reasons
-            report = json.loads(cluster.runtime.report_path(NAMESPACE, w0).read_text())
+            yield cluster, api, lambda: dict(
+                api.get(ETJ, "tiny", namespace=NAMESPACE)).get("status") or {}
         finally:
             api.close()
+
+
+def _bitwise_static(report: dict, doc: dict, workers: int) -> None:
+    """The job's losses and parameters are a static run's at ``workers``, bit for bit."""
+    steps = doc["spec"]["training"]["steps"]
+    assert [s["step"] for s in report["steps"]] == list(range(steps))
+    job = parse_job(doc)
+    static = run_local(job, resolve_layout(job, workers=workers), steps=steps, timeout_s=120)
+    assert [s["loss_hex"] for s in report["steps"]] == [s["loss_hex"] for s in static["steps"]]
+    assert report["params_sha256"] == static["params_sha256"]
+
+
+@pytest.mark.timeout(420)
+def test_a_worker_that_does_not_drain_is_deleted_and_the_job_goes_on(tmp_path):
+    doc = _tiny(240, {"min": 2, "max": 3},
+                checkpoint={"path": str(tmp_path / "ckpt"), "everySteps": 10},
+                scaling={"probabilityThreshold": 0.5, "cooldownSeconds": 0,
+                         "switchOverheadSeconds": 1, "drainTimeoutSeconds": 3})
+    w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
+    with _running(doc, tmp_path, gpus=3) as (cluster, api, status):
+        # The third GPU is idle: the operator grows the job into it.
+        _until(lambda: status().get("members") == [w0, w1, w2], 120, "the scale-up", cluster)
+        hung = cluster.runtime.pids()[f"{NAMESPACE}/{w2}"]
+        os.killpg(hung, signal.SIGSTOP)
+        api.create(Pod.from_dict(batch_pod("batch", NAMESPACE, gpus=1, duration_s=600)))
+        target = _until(lambda: (t := status().get("target")) and t.get("release") and t,
+                        30, "the scale-down", cluster)
+        assert target["release"] == [w2]
+        # Deleted at the deadline (and killed after the pod's grace period, as a kubelet
+        # does): the survivors go on in the generation the scale-down asked for.
+        shrunk = _until(lambda: (s := status()).get("members") == [w0, w1] and s, 120,
+                        "the survivors' generation", cluster)
+        assert shrunk["generation"] == target["generation"]
+        _until(lambda: api.get(Pod, "batch", namespace=NAMESPACE).status.phase == "Running",
+               60, "the non-elastic pod to run", cluster)
+        _until(lambda: status().get("phase") == "Succeeded", 240, "the job to finish", cluster)
+        reasons = {e.reason for e in api.list(Event, namespace=NAMESPACE)}
+        assert {"ScaleUp", "ScaleDown", "DrainDeadline"} <= reasons, reasons
+        report = json.loads(cluster.runtime.report_path(NAMESPACE, w0).read_text())
 
     (recovery,) = report["recoveries"]
     assert recovery["lost"] == [w2] and recovery["members"] == [w0, w1]
     # From the peer snapshots (the default): only the step in flight is replayed.
     assert recovery["snapshot"] is True and recovery["checkpoint"] is None
     assert 0 <= recovery["failed_at"] - recovery["resumed_at"] <= 1
-    # The job's losses and parameters are a static run's, bit for bit.
-    assert [s["step"] for s in report["steps"]] == list(range(steps))
-    job = parse_job(doc)
-    static = run_local(job, resolve_layout(job, workers=2), steps=steps, timeout_s=120)
-    assert [s["loss_hex"] for s in report["steps"]] == [s["loss_hex"] for s in static["steps"]]
-    assert report["params_sha256"] == static["params_sha256"]
+    _bitwise_static(report, doc, workers=2)
+
+
+@pytest.mark.timeout(420)
+def test_a_worker_that_dies_unasked_is_replaced_and_the_job_goes_on(tmp_path):
+    doc = _tiny(200, {"min": 2, "max": 2})
+    w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
+    with _running(doc, tmp_path, gpus=2) as (cluster, api, status):
+        _until(lambda: (s := status()).get("members") == [w0, w1] and s.get("step", 0) >= 20,
+               120, "the job at step 20", cluster)
+        os.killpg(cluster.runtime.pids()[f"{NAMESPACE}/{w1}"], signal.SIGKILL)
+        # The survivor goes on alone, then the operator brings the job back to its minimum
+        # with a new pod, under a new name.
+        restored = _until(lambda: (s := status()).get("members") == [w0, w2] and s, 120,
+                          "the replacement's generation", cluster)
+        assert restored["lost"] == [w1]
+        assert restored["target"]["reason"] == "BelowMinimum"
+        _until(lambda: status().get("phase") == "Succeeded", 240, "the job to finish", cluster)
+        assert api.get(Pod, w1, namespace=NAMESPACE).status.phase == "Failed"
+        report = json.loads(cluster.runtime.report_path(NAMESPACE, w0).read_text())
+
+    (recovery,) = report["recoveries"]
+    assert recovery["lost"] == [w1] and recovery["members"] == [w0]
+    assert recovery["snapshot"] is True and 0 <= recovery["failed_at"] - recovery["resumed_at"] <= 1
+    assert [g["members"] for g in report["generations"]][-2:] == [[w0], [w0, w2]]
+    _bitwise_static(report, doc, workers=2)  # 2 workers, then 1, then 2 again

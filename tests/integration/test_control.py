@@ -347,6 +347,29 @@ def test_recovery_decisions_through_the_store(tmp_path):
     assert sources[pods[0]].applied == 1
     # A released pod that reports late learns that it is no member and leaves.
     assert sources[pods[1]].recover(pods[1], gen, 7, boom) is None
+
+    # A replacement joins after three recoveries: it reads the control keys of the fourth
+    # epoch, as the leader writes them, not the first.
+    leader, alone = sources[pods[0]], recovery.generation
+    box["target"] = Target(workers=2, generation=2, join=("j-worker-3",))
+    joiner = ControlledGenerations(
+        me="j-worker-3", leader=pods[0], store=connect(), min_workers=3, steps=100,
+        choose=lambda n, first: (_layout(n), None), target=lambda: box["target"], poll_s=0.01)
+
+    def lead():
+        step = 8
+        while (following := leader.following(alone, step)) is None:
+            step += 1
+            time.sleep(0.01)
+        return following, step
+
+    out = in_threads({"j-worker-3": partial(joiner.start, "j-worker-3"), pods[0]: lead})
+    grown, step = out[pods[0]]
+    assert out["j-worker-3"] == (grown, alone)
+    assert grown.members == (pods[0], "j-worker-3") and joiner.recoveries == leader.recoveries == 3
+    out = in_threads({me: partial(src.following, grown, step + 1)
+                      for me, src in ((pods[0], leader), ("j-worker-3", joiner))})
+    assert out == {pods[0]: None, "j-worker-3": None}
     for source in sources.values():
         source.stop_beating()
     time.sleep(0.1)  # the beats stop before the store does

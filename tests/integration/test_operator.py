@@ -276,6 +276,71 @@ def test_past_the_drain_deadline_released_pods_are_deleted_anyway(cluster):
     assert any(r == "DrainDeadline" for r, _ in events_of(api, "slow"))
 
 
+def test_lost_workers_are_replaced_up_to_the_minimum_under_new_names(cluster):
+    api, _, _ = cluster
+    leader = Leader(api, "lossy")
+    w = [f"lossy-worker-{i}" for i in range(4)]
+    # Scaling off: replacing a lost worker is not elasticity, and still happens.
+    api.create(ETJ(job_manifest("lossy", workers={"min": 2, "max": 4},
+                                scaling={"enabled": False})))
+    wait_for("two worker pods", lambda: pods_of(api, "lossy") == w[:2])
+    leader.apply()
+    wait_for("Running at 2 workers", lambda: leader.running(2), seen=leader.status)
+
+    # worker-1 crashes; the agent goes on without it, so the job has not failed.
+    api.patch(Pod.Status, w[1], {"status": {"phase": "Failed"}}, namespace=NS,
+              patch_type=PatchType.MERGE)
+    time.sleep(1.5)  # five operator rounds
+    assert leader.status()["phase"] == "Running"
+    leader.publish(members=w[:1], lost=w[1:2])  # the agent's fault path: the same generation
+    wait_for("a replacement", lambda: leader.status()["target"]["generation"] == 1,
+             seen=leader.status)
+    target = leader.status()["target"]
+    assert (target["workers"], target["join"], target["reason"]) == (2, [w[2]], "BelowMinimum")
+    assert any(r == "ScaleUp" and "below its minimum (1 of 2 workers)" in m
+               for r, m in events_of(api, "lossy"))
+    assert leader.pod_phase(w[1]) == "Failed"  # kept, for its logs; it holds no GPU
+    leader.apply()
+    wait_for("Running at 2 workers again", lambda: leader.running(2), seen=leader.status)
+
+    # worker-2 hangs: the agent declares it lost while its pod still runs. The operator deletes
+    # the pod (it holds a GPU) and replaces it under a name never given before.
+    leader.publish(members=w[:1], lost=[w[1], w[2]])
+    wait_for("the hung pod deleted", lambda: w[2] not in pods_of(api, "lossy"))
+    wait_for("a second replacement", lambda: leader.status()["target"]["generation"] == 2)
+    assert leader.status()["target"]["join"] == [w[3]]
+    leader.apply()
+    wait_for("Running at 2 workers", lambda: leader.running(2), seen=leader.status)
+    assert pods_of(api, "lossy") == [w[0], w[1], w[3]]
+
+
+def test_a_target_a_fault_overtakes_is_superseded(cluster):
+    api, _, _ = cluster
+    leader = Leader(api, "grow")
+    w = [f"grow-worker-{i}" for i in range(4)]
+    api.create(ETJ(job_manifest("grow", workers={"min": 2, "max": 3})))
+    wait_for("two worker pods", lambda: len(pods_of(api, "grow")) == 2)
+    leader.apply()
+    leader.publish(scaleTable=table("grow", {2: 100.0, 3: 150.0}))
+    wait_for("a scale-up target", lambda: leader.status()["target"]["generation"] == 1)
+    assert leader.status()["target"]["join"] == [w[2]]
+    wait_for("the joiner running", lambda: leader.pod_phase(w[2]) == "Running")
+
+    # worker-1 is lost before the switch: 1 member + 1 joiner is not the target's 3 workers,
+    # so the agent cannot apply it. The operator asks again with the joiner, for 2.
+    leader.publish(members=w[:1], lost=w[1:2])
+    wait_for("a superseding target", lambda: leader.status()["target"]["generation"] == 2,
+             seen=leader.status)
+    target = leader.status()["target"]
+    assert (target["workers"], target["join"], target["release"]) == (2, [w[2]], [])
+    assert any(r == "TargetSuperseded" for r, _ in events_of(api, "grow"))
+    wait_for("the lost pod deleted", lambda: w[1] not in pods_of(api, "grow"))
+    leader.apply()
+    # Its GPU is idle again: the job grows back (cooldown 0), under a new name.
+    wait_for("a scale-up target", lambda: leader.status()["target"]["generation"] == 3)
+    assert leader.status()["target"]["join"] == [w[3]]
+
+
 def test_a_tainted_node_takes_workers_only_once_the_job_tolerates_it(cluster):
     api, _, _ = cluster
     leader = Leader(api, "fenced")

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal_operator.policy import IDLE_GPUS, PENDING_GPU_PODS, Decision, decide
+from tidal_operator.policy import BELOW_MINIMUM, IDLE_GPUS, PENDING_GPU_PODS, Decision, decide
 from tidal_operator.snapshot import (
     ANYWHERE, ElasticJob, Node, Placement, Pod, Snapshot, Taint, Toleration,
 )
@@ -227,12 +227,48 @@ def test_scale_down(snapshot, expected):
     check(decide(snapshot, NOW), expected)
 
 
+def below_min(key, *, on, min_workers, **settings):
+    """A job that a fault left with the members ``on``, below its minimum."""
+    return job(key, on=on, min_workers=min_workers, **settings)
+
+
+RESTORE = [
+    pytest.param(cluster({"a": 8}, below_min("j", on="a", min_workers=3, enabled=False,
+                                             last_scale_time=NOW - 1),
+                         others=[waiting("p", 1)], arrivals=recent(100)),
+                 [dict(job="j", kind="scale_up", from_workers=1, to_workers=3, nodes=("a", "a"),
+                       reason=BELOW_MINIMUM, gain=None, probability=None)],
+                 id="back-to-min-whatever-the-rules-and-before-a-pending-pod"),
+    pytest.param(cluster({"a": 2}, below_min("j", on="a", min_workers=2),
+                         others=[running("x", "a", 1)]),
+                 [dict(to_workers=2, nodes=())], id="created-even-where-no-gpu-is-free"),
+    pytest.param(cluster({"a": 8}, below_min("j", on="a", min_workers=2, busy=True)), [],
+                 id="a-busy-job-applies-its-target-first"),
+    pytest.param(cluster({"a": 8}, below_min("j", on="a", min_workers=2), job("k", on="aaaa"),
+                         others=[running("x", "a", 2), waiting("p", 2)]),
+                 [dict(job="j", reason=BELOW_MINIMUM, nodes=("a",)),
+                  dict(job="k", kind="scale_down", to_workers=2, release=("k-3", "k-2"))],
+                 id="the-pending-pod-gets-room-from-others-after"),
+    pytest.param(cluster({"a": 8}, below_min("j", on="a", min_workers=2), job("k", on="aa")),
+                 [dict(job="j", to_workers=2)], id="no-scale-up-until-the-new-workers-are-bound"),
+    pytest.param(cluster({"a": 8}, raised_min(job("j", on="aa"), 3)), [dict(to_workers=3)],
+                 id="a-raised-minimum-too"),
+]
+
+
+@pytest.mark.parametrize(("snapshot", "expected"), RESTORE)
+def test_restore(snapshot, expected):
+    check(decide(snapshot, NOW), expected)
+
+
 def check(decisions: tuple[Decision, ...], expected: list[dict]) -> None:
     assert len(decisions) == len(expected), decisions
     for decision, fields in zip(decisions, expected):
         for name, value in fields.items():
             assert getattr(decision, name) == value, (name, decision)
-        assert "tokens/s" in decision.message and "\n" not in decision.message
+        assert "\n" not in decision.message
+        assert ("below its minimum" if decision.reason == BELOW_MINIMUM else "tokens/s") \
+            in decision.message
 
 
 def test_messages_give_the_numbers():
@@ -245,6 +281,9 @@ def test_messages_give_the_numbers():
                              others=[running("x", "a", 2), waiting("p", 2)]), NOW)
     assert down.message == ("pending GPU pods: releasing j-5, j-4 to make room for p (2 GPUs) "
                             "on a, -30.6% tokens/s")
+    (back,) = decide(cluster({"a": 3}, below_min("j", on="a", min_workers=4)), NOW)
+    assert back.message == ("below its minimum (1 of 4 workers): 3 new workers on a x2, 1 "
+                            "waiting for GPUs")
 
 
 # Random clusters: a few nodes, jobs and pods, so that contention is common.
@@ -334,12 +373,19 @@ def test_invariants_on_random_clusters(snapshot, shuffler):
     capacity = {n.name: n.gpus for n in snapshot.nodes}
     pending = [p for p in snapshot.pods if p.node is None and p.job is None]
     assert len({d.job for d in decisions}) == len(decisions), "one decision per job"
+    assert {d.job for d in decisions if d.reason == BELOW_MINIMUM} == {
+        j.key for j in snapshot.jobs if not j.busy and 0 < j.workers < j.min_workers}
     # New workers go where the job's pods may run; room is made where the pending pod may.
     assert all(jobs[d.job].placement.allows(nodes[n]) for d in decisions for n in d.nodes)
     assert all(pods[key].placement.allows(nodes[n]) for d in decisions for key, n in d.room_for)
     for d in decisions:
         job = jobs[d.job]
-        assert job.enabled and not job.busy
+        assert not job.busy
+        if d.reason == BELOW_MINIMUM:  # a lost worker's replacement: no rule but the minimum
+            assert d.kind == "scale_up" and 0 < d.from_workers < d.to_workers == job.min_workers
+            assert len(d.nodes) <= d.to_workers - d.from_workers and not d.release
+            continue
+        assert job.enabled and job.workers >= job.min_workers
         assert job.scale_table.row(d.to_workers) is not None, "a kept row"
         if d.kind == "scale_up":
             assert not pending, "never scale up while a GPU pod is pending"
@@ -357,8 +403,12 @@ def test_invariants_on_random_clusters(snapshot, shuffler):
         for node in d.nodes:
             held[node] += jobs[d.job].gpus_per_worker
     assert all(held[node] <= capacity[node] for d in decisions for node in d.nodes)
-    # Each pod given room fits, on its node, once the releases (decided and draining) are done.
+    # Each pod given room fits, on its node, once the releases (decided and draining) are done
+    # and the replacements of lost workers placed.
     held = holding(snapshot)
+    for d in decisions:
+        for node in d.nodes if d.reason == BELOW_MINIMUM else ():
+            held[node] += jobs[d.job].gpus_per_worker
     for key in [k for j in snapshot.jobs for k in j.releasing] + [
             k for d in decisions for k in d.release]:
         held[pods[key].node] -= pods[key].gpus
@@ -382,8 +432,8 @@ def test_a_lone_pending_pod_gets_room_where_it_can(snapshot):
     (down to its smallest kept row at or above its minimum, keeping its leader), the policy
     makes room; if all the jobs on every node together cannot, it makes none."""
     pending = [p for p in snapshot.pods if p.node is None and p.job is None]
-    if len(pending) != 1:
-        return
+    if len(pending) != 1 or any(0 < j.workers < j.min_workers for j in snapshot.jobs):
+        return  # (replacing lost workers comes first: test_invariants_on_random_clusters)
     (pod,) = pending
     capacity = {n.name: n.gpus for n in snapshot.nodes if pod.placement.allows(n)}
     held = holding(snapshot)
