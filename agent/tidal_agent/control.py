@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import statistics
 import threading
 import time
@@ -340,8 +341,11 @@ class ControlledGenerations:
         beat_s: float = 0.5,
         lost_after_s: float = 5.0,
         fault_wait_s: float = 300.0,
+        stop: threading.Event | None = None,
     ) -> None:
         self.me, self._leader, self.store = me, leader, store
+        self.stop = stop  # set on SIGTERM: a pod in standby leaves at once
+        self.departed = False  # this pod left unasked (depart)
         self.min_workers, self.steps = min_workers, steps
         self._choose, self._target, self._report = choose, target, report
         self.poll_s = poll_s
@@ -398,7 +402,7 @@ class ControlledGenerations:
         key = f"gen/{me}"
         waited = time.monotonic()
         while not self.store.check([key]):
-            if self.store.check(["end"]):
+            if self.store.check(["end"]) or (self.stop is not None and self.stop.is_set()):
                 return None
             if time.monotonic() - waited > 60:
                 log.info("%s waits in standby", me)
@@ -489,6 +493,13 @@ class ControlledGenerations:
         self.store.set("end", str(step))
         self.stop_beating()
 
+    def depart(self, me: str, step: int) -> None:
+        """Say goodbye (``bye/<pod>``): the leader counts this pod lost at once, without
+        waiting ``lost_after_s`` for its silence."""
+        self.store.set(f"bye/{me}", str(step))
+        self.departed = True
+        self.stop_beating()
+
     def leave(self) -> None:
         """Forget this pod, so that a later pod of the same name registers afresh."""
         self.stop_beating()
@@ -526,7 +537,8 @@ class ControlledGenerations:
             return None
         return Recovery(generation=gen, world=f"recovery{self.recoveries}",
                         checkpoint=decision["checkpoint"], failed_at=decision["failed_at"],
-                        lost=tuple(decision["lost"]), snapshot=cut)
+                        lost=tuple(decision["lost"]), snapshot=cut,
+                        left=tuple(decision.get("left", ())))
 
     def _recovery(self, trained: Generation, step: int, fault: str,
                   error: Exception) -> dict[str, Any]:
@@ -572,7 +584,8 @@ class ControlledGenerations:
         self.lost.update(lost)
         if self._report is not None:
             self._report.planned(index, predicted)
-        return {"generation": _gen_json(gen, layout), "lost": lost, "failed_at": step,
+        left = [p for p in lost if self.store.check([f"bye/{p}"])]
+        return {"generation": _gen_json(gen, layout), "lost": lost, "left": left, "failed_at": step,
                 "checkpoint": path, "snapshot": cut.to_json() if cut is not None else None}
 
     def _survivors(self, members: list[str], fault: str) -> tuple[set[str], list[str]]:
@@ -587,6 +600,9 @@ class ControlledGenerations:
             silent = []
             for pod in members:
                 if pod in reported:
+                    continue
+                if self.store.check([f"bye/{pod}"]):  # it left when asked to stop
+                    silent.append(pod)
                     continue
                 beats = self.store.add(f"beat/{pod}", 0)
                 if pod not in heard or heard[pod][0] != beats:
@@ -844,12 +860,14 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         layout, prediction = planner.layout(workers, dp)
         return layout, prediction.step_seconds
 
+    stop = _stop_on_sigterm(identity.pod)
     store = rendezvous.connect()
     source = ControlledGenerations(
         me=identity.pod, leader=identity.leader, store=store, min_workers=spec.workers.min,
         steps=steps, choose=choose, target=link.target, report=report,
         checkpoint_root=spec.checkpoint.path, heartbeat=rendezvous.connect(),
         fault_wait_s=2 * timeout_s + 30,  # past any member's own timeout on a dead peer
+        stop=stop,
     )
     if leading:
         link.start()
@@ -858,13 +876,15 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     opts = WorkerOptions(
         rendezvous=rendezvous, steps=steps, threads=threads,
         checkpoint_root=spec.checkpoint.path, checkpoint_every=spec.checkpoint.every_steps,
-        peer_snapshots=spec.checkpoint.peer_snapshots,
+        peer_snapshots=spec.checkpoint.peer_snapshots, stop=stop,
     )
     train(identity.pod, spec, opts, report, source)
     if report.digests is not None:  # a final member: the leader hashes all parameters
         store.set(f"digest/{identity.pod}", json.dumps(report.digests))
     if not leading:
         source.leave()
+        if source.departed:  # the leader counts it lost, not among the pods that exit
+            return {"pod": identity.pod, "left_at": report.left_at, "done": False}
         store.add("exited", 1)
         return {"pod": identity.pod, "left_at": report.left_at, "done": report.digests is not None}
     source.end(steps)
@@ -876,6 +896,21 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
     del host  # only now may the store go down
     return result
+
+
+def _stop_on_sigterm(pod: str) -> threading.Event:
+    """An event SIGTERM sets (a pod is deleted, preempted or its node drained): the worker
+    leaves at its next step boundary rather than die mid-step, or, in a container where the
+    agent is PID 1, ignore the signal until the kubelet's SIGKILL."""
+    stop = threading.Event()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if not stop.is_set():
+            log.warning("%s: SIGTERM; stopping at the next step boundary", pod)
+            stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return stop
 
 
 def _leader_report(job: str, spec, source: ControlledGenerations, report: AgentReport,

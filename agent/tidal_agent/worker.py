@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import statistics
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -58,6 +59,8 @@ from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
 
 log = logging.getLogger("tidal.agent")
 
+STOPPED = 128 + 15  # the exit status of a worker that could not stop cleanly on SIGTERM
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Recovery:
@@ -69,6 +72,7 @@ class Recovery:
     failed_at: int  # the step (or switch boundary) the leader was at when it failed
     lost: tuple[str, ...]  # the members that did not survive
     snapshot: Cut | None = None  # the peer snapshots to rebuild from (at at_step)
+    left: tuple[str, ...] = ()  # of the lost, those that left when asked to stop (SIGTERM)
     # neither checkpoint nor snapshot: start afresh from step 0
 
 
@@ -101,6 +105,10 @@ class GenerationSource(Protocol):
         (None if ``me`` is not one of them). Raises ``error`` when training cannot go on:
         nothing to recover with, or no member was lost (a bug, not a fault)."""
 
+    def depart(self, me: str, step: int) -> None:
+        """``me``, asked to stop, leaves at the boundary before ``step`` unasked by any
+        target: the others lose it and go on without waiting for its silence."""
+
 
 @dataclass(frozen=True, slots=True)
 class StaticGenerations:
@@ -128,6 +136,10 @@ class StaticGenerations:
                 held: dict[str, Any] | None = None) -> Recovery | None:
         raise error  # the launcher names the lost worker; --resume goes on without it
 
+    def depart(self, me: str, step: int) -> None:
+        raise RuntimeError(f"{me}: a static schedule has no departures (tidal run stops "
+                           "its workers itself)")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerOptions:
@@ -144,6 +156,10 @@ class WorkerOptions:
     bucket_bytes: int = 256 << 20  # in flight per worker during a reshard
     profile_out: str | None = None  # write the online profile (JSON) here
     profile_steps: tuple[int, int] = (3, 8)  # [first, last) steps profiled (profile_window)
+    # Set when the pod is asked to stop (SIGTERM): a member other than the leader leaves at
+    # the next step boundary, once its peer snapshot is with its keeper; the leader, which
+    # hosts the rendezvous, ends the job there.
+    stop: threading.Event | None = None
 
 
 def profile_window(steps: int) -> tuple[int, int]:
@@ -197,6 +213,10 @@ class _Worker:
     def leader(self) -> bool:
         return self.me == self.source.leader
 
+    @property
+    def _stopping(self) -> bool:
+        return self.opts.stop is not None and self.opts.stop.is_set()
+
     def _trainer(self, gen: Generation, world: World, *, initialise: bool) -> Trainer:
         return Trainer(spec=self.spec, layout=self.source.layout(gen), world=world,
                        device=self.device, clip_mode=self.opts.clip_mode, initialise=initialise)
@@ -212,6 +232,10 @@ class _Worker:
                 self._train(enter)
                 return
             except Exception as err:  # noqa: BLE001 - the source tells a fault from a bug
+                if self._stopping:
+                    log.warning("%s: failed while asked to stop (%s); not recovering", self.me,
+                                err)
+                    raise SystemExit(STOPPED) from None
                 failed = time.perf_counter()
                 recovery = self._recover(err)
             if recovery is None:  # released while the others recovered
@@ -247,6 +271,15 @@ class _Worker:
             if self.snapshots is not None:
                 self.snapshots.take(world, gen.index, source.layout(gen), step,
                                     trainer.state_tensors())
+            if self._stopping:
+                if self.leader:
+                    log.error("%s: asked to stop at step %d; the job cannot go on without its "
+                              "leader (it hosts the rendezvous)", self.me, step)
+                    raise SystemExit(STOPPED)
+                log.warning("%s: asked to stop; leaving at step %d", self.me, step)
+                source.depart(self.me, step)
+                self.events.put(("left", self.me, step))
+                return
             if following is None:
                 following = source.following(gen, step)
                 if following is not None:  # build its world and plan while this one trains
@@ -297,6 +330,7 @@ class _Worker:
                 "snapshot": recovery.snapshot is not None,
                 "checkpoint": recovery.checkpoint,
                 "lost": list(recovery.lost),
+                "left": list(recovery.left),
                 "generation": gen.index,
                 "members": list(gen.members),
                 "layout": trainer.layout.to_dict(),

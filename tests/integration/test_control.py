@@ -370,6 +370,13 @@ def test_recovery_decisions_through_the_store(tmp_path):
     out = in_threads({me: partial(src.following, grown, step + 1)
                       for me, src in ((pods[0], leader), ("j-worker-3", joiner))})
     assert out == {pods[0]: None, "j-worker-3": None}
+
+    # Asked to stop (SIGTERM), the joiner departs at a boundary: the leader counts it lost,
+    # and as one that left.
+    joiner.depart("j-worker-3", step + 2)
+    recovery = leader.recover(pods[0], grown, step + 2, boom)
+    assert recovery.lost == recovery.left == ("j-worker-3",)
+    assert recovery.generation.members == (pods[0],) and recovery.world == "recovery4"
     for source in sources.values():
         source.stop_beating()
     time.sleep(0.1)  # the beats stop before the store does
