@@ -674,7 +674,6 @@ class AgentReport:
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
-        self.lost: list[str] = []  # every member lost to a fault, in the order they were
         self.generations: list[dict[str, Any]] = []
         self.digests: dict[int, tuple[str, str]] | None = None
         self.left_at: int | None = None
@@ -707,11 +706,11 @@ class AgentReport:
         replayed = sum(1 for s in self.steps if s["step"] >= resumed)
         self.steps = [s for s in self.steps if s["step"] < resumed]
         self.recoveries.append({**payload, "replayed_steps": replayed})
-        self.lost += [p for p in payload["lost"] if p not in self.lost]
         if self.metrics is not None:
             self.metrics.recovered(len(payload["lost"]), replayed)
         if self.link is not None:  # goes out with the survivors' generation, below
-            self.link.publish(step=resumed, lost=tuple(self.lost))
+            self.link.publish(step=resumed, lost=tuple(dict.fromkeys(
+                p for r in self.recoveries for p in r["lost"])))
         gen = Generation(index=payload["generation"], at_step=resumed,
                          members=tuple(payload["members"]))
         self.applied(gen, Layout(**payload["layout"]), switch_s=payload["pause_s"])

@@ -314,7 +314,7 @@ class Controller:
         pods = self._job_pods(state)
         for name in status.lost:
             pod = pods.get(name)
-            if pod is not None and pod.phase not in FINISHED and name not in status.members:
+            if pod is not None and pod.phase not in FINISHED:
                 log.info("%s: deleting %s, lost to a fault", state.key, name)
                 await self.adapter.delete_pod(name, state.namespace)
         applied = bool(status.members) and status.generation == target.generation

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tidal_api import ScaleTable
@@ -83,14 +83,12 @@ def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
             if pod.job is not None:
                 workers[pod.key] = pod
     where = _Where(snapshot)
+    # A restored job is below its minimum, which no scale-down goes under; its new workers
+    # are yet to be bound, and no scale-up runs while a joiner waits for its node.
     restored = _restore(snapshot, free, where)
-    if restored:
-        gone = {d.job for d in restored}
-        snapshot = replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.key not in gone))
-        joiner_unbound = True  # the restored workers are yet to be bound
     if pending:
         return restored + _scale_down(snapshot, free, pending, workers, where)
-    if joiner_unbound:
+    if joiner_unbound or restored:
         return restored
     return _scale_up(snapshot, _FreeGPUs(free), now, where)
 
