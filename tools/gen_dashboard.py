@@ -130,7 +130,8 @@ def dashboard() -> Dashboard:
         (f"tidal_agent_predicted_step_seconds{{{JOB}}}", "predicted"), unit="s"))
     board.with_panel(chart(
         "Scale decisions",
-        "The operator's decisions for this job in each interval (details in the job's Events).",
+        "The operator's decisions for this job in each interval, restarts included (details "
+        "in the job's Events).",
         (f"increase(tidal_job_decisions_total{{{JOB}}}[$__rate_interval])", "{{kind}}"),
     ).draw_style(GraphDrawStyle.BARS).fill_opacity(80))
     board.with_panel(chart(

@@ -60,7 +60,7 @@ from tidal_plan.elastic import Generation, TargetError, data_parallel_degree, ne
 from tidal_plan.layout import Layout, LayoutError
 
 if TYPE_CHECKING:
-    from tidal_agent.worker import Recovery
+    from tidal_agent.worker import Halt, Recovery
 
 log = logging.getLogger("tidal.agent")
 
@@ -304,10 +304,11 @@ class ControlledGenerations:
 
     The leader decides; everyone else reads. Keys (under the rendezvous prefix):
     ``reg/count`` and ``reg/<n>`` (pods in registration order), ``pod/<pod>`` (registered),
-    ``gen/<pod>`` (the generation a pod starts in, the one before it, and the number of
-    recoveries so far),
-    ``ctl/<recoveries>/<step>`` (``null``, the generation that starts at ``step + 1``, or
-    ``{"fault": ...}`` once the leader is recovering), ``end`` (the step training ended at:
+    ``gen/<pod>`` (the generation a pod starts in, the one before it, the number of
+    recoveries so far and, for generation 0, the checkpoint it starts from),
+    ``ctl/<recoveries>/<step>`` (``null``, the generation that starts at ``step + 1``,
+    ``{"halt": step}`` when the leader is asked to stop, or ``{"fault": ...}`` once the
+    leader is recovering), ``end`` (the step training ended at:
     standby pods leave), ``beat/<pod>`` (a counter each pod's heartbeat thread advances) and,
     for the k-th recovery, ``fault/<k>/at/<pod>`` (a survivor's report) and
     ``fault/<k>/decision`` (the leader's: where the survivors go on, or why they cannot).
@@ -322,6 +323,9 @@ class ControlledGenerations:
     ``checkpoint_root`` that is not past the failed step, else from step 0 (everything is a
     function of the seed and the step, so the replay is exact).
     A failure with no member lost is a bug, not a fault: every survivor raises its error.
+
+    Generation 0 starts from the newest complete checkpoint under ``checkpoint_root`` if there
+    is one (the job restarted, or was applied again), else from step 0.
     """
 
     def __init__(
@@ -344,12 +348,13 @@ class ControlledGenerations:
         stop: threading.Event | None = None,
     ) -> None:
         self.me, self._leader, self.store = me, leader, store
-        self.stop = stop  # set on SIGTERM: a pod in standby leaves at once
+        self.stop = stop  # set on SIGTERM: a pod in standby leaves at once; the leader halts
         self.departed = False  # this pod left unasked (depart)
         self.min_workers, self.steps = min_workers, steps
         self._choose, self._target, self._report = choose, target, report
         self.poll_s = poll_s
         self.checkpoint_root = checkpoint_root
+        self.resume_from: str | None = None  # the checkpoint generation 0 starts from
         self.lost_after_s, self.fault_wait_s = lost_after_s, fault_wait_s
         self._layouts: dict[int, Layout] = {}
         self.current: Generation | None = None  # the leader's newest generation
@@ -416,18 +421,26 @@ class ControlledGenerations:
         if data.get("previous"):
             previous, old_layout = _gen_from(data["previous"])
             self._layouts[previous.index] = old_layout
+        else:
+            self.resume_from = data.get("checkpoint")
         return gen, previous
 
     def _first_generation(self) -> Generation:
         members = self._initial_members()
-        gen = Generation(index=0, at_step=0, members=members)
+        saved = (checkpoint.latest(self.checkpoint_root, at_most=self.steps)
+                 if self.checkpoint_root else None)
+        if saved is not None:
+            self.resume_from = str(saved[1])
+        gen = Generation(index=0, at_step=saved[0] if saved else 0, members=members)
         layout, predicted = self._choose(len(members), len(members))
         self._layouts[0] = layout
         for pod in members[1:]:
-            self.store.set(f"gen/{pod}", json.dumps({**_gen_json(gen, layout), "previous": None}))
+            self.store.set(f"gen/{pod}", json.dumps({**_gen_json(gen, layout), "previous": None,
+                                                     "checkpoint": self.resume_from}))
         self._first = self.current = gen
         self.applied = 0
-        log.info("generation 0: %s in %s", list(gen.members), layout.describe())
+        log.info("generation 0: %s in %s from step %d%s", list(gen.members), layout.describe(),
+                 gen.at_step, f" ({self.resume_from})" if self.resume_from else "")
         if self._report is not None:
             self._report.planned(0, predicted)
             self._report.applied(gen, layout)
@@ -459,7 +472,9 @@ class ControlledGenerations:
                 waited = time.monotonic()
             time.sleep(self.poll_s)
 
-    def following(self, gen: Generation, step: int) -> Generation | None:
+    def following(self, gen: Generation, step: int) -> Generation | Halt | None:
+        from tidal_agent.worker import Halt
+
         key = f"ctl/{self.recoveries}/{step}"
         if self.me != self._leader:
             data = json.loads(self.store.get(key))
@@ -467,9 +482,15 @@ class ControlledGenerations:
                 return None
             if "fault" in data:
                 raise LeaderRecovering(f"at step {step}: {data['fault']}")
+            if "halt" in data:
+                return Halt(data["halt"])
             following, layout = _gen_from(data)
             self._layouts[following.index] = layout
             return following
+        if self.stop is not None and self.stop.is_set():  # the job cannot go on without me
+            log.warning("asked to stop: the job halts at step %d", step)
+            self.store.set(key, json.dumps({"halt": step}))
+            return Halt(step)
         following = self._decide(gen, step)
         if following is None:
             self.store.set(key, "null")
@@ -677,6 +698,7 @@ class AgentReport:
         self.generations: list[dict[str, Any]] = []
         self.digests: dict[int, tuple[str, str]] | None = None
         self.left_at: int | None = None
+        self.halted: dict[str, Any] | None = None  # the boundary the job halted at, and its checkpoint
         self._recent: deque[float] = deque(maxlen=window)
         self._predicted: dict[int, float | None] = {}
 
@@ -698,6 +720,8 @@ class AgentReport:
             self.digests = payload
         elif kind == "left":
             self.left_at = payload
+        elif kind == "halted":
+            self.halted = payload
 
     def _recovered(self, payload: dict[str, Any]) -> None:
         """The survivors of a fault go on from ``resumed_at``: the steps from there on are
@@ -878,6 +902,8 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         peer_snapshots=spec.checkpoint.peer_snapshots, stop=stop,
     )
     train(identity.pod, spec, opts, report, source)
+    if leading and report.halted is not None:
+        _halt(identity, source, report, store, report_path, timeout_s)
     if report.digests is not None:  # a final member: the leader hashes all parameters
         store.set(f"digest/{identity.pod}", json.dumps(report.digests))
     if not leading:
@@ -888,13 +914,37 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         return {"pod": identity.pod, "left_at": report.left_at, "done": report.digests is not None}
     source.end(steps)
     result = _leader_report(identity.job, spec, source, report, store)
-    if report_path is not None:
-        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(report_path).write_text(json.dumps(result, indent=2) + "\n")
+    _write_report(report_path, result)
     link.publish(step=steps)
     _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
     del host  # only now may the store go down
     return result
+
+
+def _halt(identity: PodIdentity, source: ControlledGenerations, report: AgentReport,
+          store: dist.Store, report_path: str | Path | None, timeout_s: float) -> None:
+    """The leader, asked to stop, has halted the job at a step boundary that every member
+    saved: standby pods leave, the others exit, and so does the leader, with SIGTERM's exit
+    status (its pod fails), for the operator to restart the job from that checkpoint."""
+    from tidal_agent.worker import STOPPED
+
+    halted = report.halted
+    source.end(halted["step"])
+    _write_report(report_path, {
+        "job": identity.job, "members": list(source.current.members), "halted": halted,
+        "resumed_from": source.resume_from, "generations": report.generations,
+        "steps": report.steps, "reconfigurations": report.reconfigurations,
+        "recoveries": report.recoveries})
+    _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
+    log.warning("%s: halted at step %d; the operator restarts the job from %s", identity.pod,
+                halted["step"], halted["checkpoint"] or "step 0 (spec.checkpoint.path is unset)")
+    raise SystemExit(STOPPED)
+
+
+def _write_report(path: str | Path | None, result: Mapping[str, Any]) -> None:
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def _stop_on_sigterm(pod: str) -> threading.Event:
@@ -923,7 +973,7 @@ def _leader_report(job: str, spec, source: ControlledGenerations, report: AgentR
         received = json.loads(store.get(f"digest/{pod}"))
         digests.update({int(k): (name, digest) for k, (name, digest) in received.items()})
     return {
-        "job": job, "members": list(source.current.members),
+        "job": job, "members": list(source.current.members), "resumed_from": source.resume_from,
         "layout": source.layout(source.current).to_dict(), "generations": report.generations,
         "steps": report.steps, "reconfigurations": report.reconfigurations,
         "recoveries": report.recoveries,

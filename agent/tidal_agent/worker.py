@@ -24,6 +24,11 @@ every member copies its state at each step boundary and its ring neighbour keeps
 ``tidal_agent.snapshot``) the survivors rebuild the state of the newest boundary they hold
 whole and replay only the step in flight; else they resume from the job's last complete
 checkpoint (from step 0 without one) and replay the steps since; bit for bit in strict mode.
+
+The leader hosts the rendezvous, so the job cannot go on without it. Asked to stop (SIGTERM),
+it halts the job at its next step boundary instead (``Halt``): every member saves a checkpoint
+of that boundary and exits, and the operator restarts the job, whose first generation starts
+from the newest complete checkpoint (``GenerationSource.resume_from``).
 """
 
 from __future__ import annotations
@@ -76,6 +81,15 @@ class Recovery:
     # neither checkpoint nor snapshot: start afresh from step 0
 
 
+@dataclass(frozen=True, slots=True)
+class Halt:
+    """The job stops at the boundary before ``step``: its leader was asked to stop. Every
+    member saves a checkpoint of that boundary (where the job has a checkpoint path), for the
+    restart to start from, and leaves."""
+
+    step: int
+
+
 class GenerationSource(Protocol):
     """Where a worker learns which generation it belongs to, and when the next one starts.
 
@@ -92,11 +106,17 @@ class GenerationSource(Protocol):
         """The generation ``me`` first trains in and the one before it (None for the first
         generation); None if ``me`` is let go without ever training."""
 
+    @property
+    def resume_from(self) -> str | None:
+        """The checkpoint the first generation loads, once ``start`` has returned it (None:
+        it starts from the seed at its ``at_step``)."""
+
     def layout(self, gen: Generation) -> Layout:
         """The layout of a generation this worker has heard of."""
 
-    def following(self, gen: Generation, step: int) -> Generation | None:
-        """At the boundary before ``step``: the generation after ``gen`` if it is known."""
+    def following(self, gen: Generation, step: int) -> Generation | Halt | None:
+        """At the boundary before ``step``: the generation after ``gen`` if it is known, or
+        ``Halt`` if the job stops there."""
 
     def recover(self, me: str, trained: Generation, step: int, error: Exception,
                 held: dict[str, Any] | None = None) -> Recovery | None:
@@ -116,6 +136,7 @@ class StaticGenerations:
 
     generations: tuple[Generation, ...]
     layouts: tuple[Layout, ...]  # one per generation
+    resume_from: str | None = None  # a checkpoint directory (tidal run --resume)
 
     @property
     def leader(self) -> str:
@@ -158,7 +179,7 @@ class WorkerOptions:
     profile_steps: tuple[int, int] = (3, 8)  # [first, last) steps profiled (profile_window)
     # Set when the pod is asked to stop (SIGTERM): a member other than the leader leaves at
     # the next step boundary, once its peer snapshot is with its keeper; the leader, which
-    # hosts the rendezvous, ends the job there.
+    # hosts the rendezvous, halts the job there (its source says so: ``Halt``).
     stop: threading.Event | None = None
 
 
@@ -178,7 +199,7 @@ def worker_main(me: str, spec_json: str, opts: WorkerOptions, events) -> None:
     """Process entry point (spawned) for a static schedule; never raises, reports through
     ``events``."""
     try:
-        source = StaticGenerations(opts.generations, opts.layouts)
+        source = StaticGenerations(opts.generations, opts.layouts, opts.resume_from)
         train(me, JobSpec.model_validate_json(spec_json), opts, events, source)
     except BaseException as err:  # noqa: BLE001 - the launcher needs every failure, with cause
         events.put(("error", me, f"{type(err).__name__}: {err}", traceback.format_exc()))
@@ -248,9 +269,10 @@ class _Worker:
         opts = self.opts
         self._gen, self._step = gen, gen.at_step
         if previous is None:
+            resume = self.source.resume_from
             world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
-            trainer = self._trainer(gen, world, initialise=opts.resume_from is None)
-            step = checkpoint.load(trainer, opts.resume_from) if opts.resume_from else gen.at_step
+            trainer = self._trainer(gen, world, initialise=resume is None)
+            step = checkpoint.load(trainer, resume) if resume else gen.at_step
             self.events.put(("ready", self.me, step))
         else:  # a joiner: standby in the new world until the old members arrive
             self.events.put(("ready", self.me, None))
@@ -271,19 +293,20 @@ class _Worker:
             if self.snapshots is not None:
                 self.snapshots.take(world, gen.index, source.layout(gen), step,
                                     trainer.state_tensors())
-            if self._stopping:
-                if self.leader:
-                    log.error("%s: asked to stop at step %d; the job cannot go on without its "
-                              "leader (it hosts the rendezvous)", self.me, step)
-                    raise SystemExit(STOPPED)
+            leaving = self._stopping and not self.leader  # the leader's source halts the job
+            if following is None:
+                following = source.following(gen, step)
+                if isinstance(following, Halt):  # (the leader's stop comes before mine)
+                    self._halt(trainer, step)
+                    return
+                if following is not None and not leaving:
+                    # Build its world and plan while this one trains.
+                    builder, plan = self._next_builder(following), self._plan(gen, following)
+            if leaving:
                 log.warning("%s: asked to stop; leaving at step %d", self.me, step)
                 source.depart(self.me, step)
                 self.events.put(("left", self.me, step))
                 return
-            if following is None:
-                following = source.following(gen, step)
-                if following is not None:  # build its world and plan while this one trains
-                    builder, plan = self._next_builder(following), self._plan(gen, following)
             if following is not None and step == following.at_step:
                 trainer, world = self._switch(gen, following, trainer, world, builder, plan)
                 if trainer is None:
@@ -295,6 +318,15 @@ class _Worker:
             self._train_step(trainer, step)
             step += 1
         self.events.put(("done", self.me, trainer.parameter_digests()))
+
+    def _halt(self, trainer: Trainer, step: int) -> None:
+        """Save the boundary the job halts at (every member calls it) and tell the launcher
+        where it is."""
+        root, path = self.opts.checkpoint_root, None
+        if root:
+            path = str(checkpoint.save(trainer, root, step, trainer.layout.describe()))
+        log.warning("%s: the job halts at step %d (checkpoint: %s)", self.me, step, path)
+        self.events.put(("halted", self.me, {"step": step, "checkpoint": path}))
 
     def _recover(self, err: Exception) -> Recovery | None:
         """Close every world of the failed generation, then ask the source where to go on."""

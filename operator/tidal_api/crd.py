@@ -38,6 +38,8 @@ PRINTER_COLUMNS = (
      "description": "Optimizer steps done."},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase",
      "description": "Where the job is in its life."},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts",
+     "description": "Times the operator restarted the job.", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )
 

@@ -293,6 +293,11 @@ class JobSpec(_Spec):
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec, description="Periodic checkpoints."
     )
+    max_restarts: int = Field(
+        3, ge=0, description="Times the operator restarts the job when its leader (worker-0, "
+        "which hosts the rendezvous) is lost or every worker failed: fresh pods, starting from "
+        "the newest complete checkpoint under checkpoint.path. Past it, the job fails."
+    )
     template: TemplateSpec = Field(
         default_factory=TemplateSpec, description="Overrides for the worker pods."
     )

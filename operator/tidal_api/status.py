@@ -1,10 +1,13 @@
 """ElasticTrainingJob status: who owns which field, and the protocol they speak (DESIGN.md 3).
 
-The operator owns ``target``, ``phase``, ``conditions`` and its hysteresis (``lastScaleTime``,
-``lastDecision``, ``observedGeneration``); the agent leader owns ``generation`` (applied),
-``members``, ``layout``, ``step``, ``loss``, ``tokensPerSecond``, ``stepSeconds``,
-``predictedStepSeconds``, ``lastSwitchSeconds`` and ``scaleTable``. Each side writes only its
-own fields, with a merge patch on the status subresource, so neither overwrites the other.
+The operator owns ``target``, ``phase``, ``conditions``, ``restarts`` and its hysteresis
+(``lastScaleTime``, ``lastDecision``, ``observedGeneration``); the agent leader owns
+``generation`` (applied), ``members``, ``lost``, ``layout``, ``step``, ``loss``,
+``tokensPerSecond``, ``stepSeconds``, ``predictedStepSeconds``, ``lastSwitchSeconds`` and
+``scaleTable``. Each side writes only its own fields, with a merge patch on the status
+subresource, so neither overwrites the other; the one exception is a restart, when no agent
+runs: the operator empties ``members`` and ``lost`` with the target, for the new leader to
+publish afresh.
 
 Scale up: the operator creates the joiners' pods, then writes ``target = {workers, generation:
 g+1, join: [pods]}``; the leader switches at a step boundary once every joiner waits in the
@@ -22,7 +25,7 @@ from pydantic.alias_generators import to_camel
 
 from tidal_api.scale import ScaleTable
 
-Phase = Literal["Pending", "Running", "Scaling", "Succeeded", "Failed", "Invalid"]
+Phase = Literal["Pending", "Running", "Scaling", "Restarting", "Succeeded", "Failed", "Invalid"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 # Condition types the operator sets.
@@ -96,6 +99,9 @@ class JobStatus(_Status):
     )
     observed_generation: int = Field(
         0, ge=0, description="metadata.generation of the spec the operator last acted on."
+    )
+    restarts: int = Field(
+        0, ge=0, description="Times the operator restarted the job (spec.maxRestarts)."
     )
     # The agent leader's fields.
     generation: int = Field(0, ge=0, description="Generation the agent runs (applied).")

@@ -16,6 +16,10 @@ Per job and round (``reconcile``):
     are not its count): supersede it with the same change on the survivors;
   - pods the agent declared lost (``status.lost``) that still run are deleted; their names
     are never given again. Replacing them, up to ``workers.min``, is ``decide``'s;
+  - the leader's pod failed or gone, or every member failed: the job cannot go on (the leader
+    hosts the rendezvous), so it restarts, up to ``spec.maxRestarts`` times: every pod is
+    deleted, the target and the agent's membership emptied, and once the pods are gone the
+    first pods start again, from the newest checkpoint (the agent's generation 0 loads it);
   - phase, conditions and the job's metrics follow the status the agent publishes.
 Then ``decide`` runs over the whole cluster and its decisions become targets, pods and Events.
 """
@@ -43,6 +47,8 @@ FINISHED = ("Succeeded", "Failed")
 # The agent takes no target in a job's last step; the operator asks for none a little earlier,
 # so that a scale-up it makes can still be applied (joiners start, register, then switch).
 NO_SWITCH_STEPS = 2
+# A leader's pod missing from the index this long is gone, not a watch still filling it in.
+LEADER_GONE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +131,9 @@ class Controller:
     pods: Mapping[str, Iterable[Pod]] = field(default_factory=dict)
     jobs: Mapping[str, Iterable[Mapping[str, Any]]] = field(default_factory=dict)
     _written: dict[str, int] = field(default_factory=dict)  # job key -> target generation set
+    # job key -> (uid, status.restarts set): views from before a restart are stale
+    _restarted: dict[str, tuple[str, int]] = field(default_factory=dict)
+    _missed: dict[str, float] = field(default_factory=dict)  # job key -> leader's pod first missed
     _services: set[str] = field(default_factory=set)  # uids whose Service exists
     _arrivals: dict[str, float] = field(default_factory=dict)  # non-elastic GPU pod -> created
     _parsed: dict[tuple[str, str], ElasticTrainingJob | str] = field(default_factory=dict)
@@ -219,6 +228,7 @@ class Controller:
         applied = bool(status.members) and target is not None and status.generation == target.generation
         written = self._written.get(state.key)
         busy = (not applied or (written is not None and (target is None or target.generation < written))
+                or self._before_restart(state)
                 or status.phase in ("Succeeded", "Failed")
                 or status.step >= spec.training.steps - NO_SWITCH_STEPS)
         return ElasticJob(
@@ -307,11 +317,20 @@ class Controller:
         if uid not in self._services:
             await self.adapter.create(builders.headless_service(job, uid=uid))
             self._services.add(uid)
+        if self._before_restart(state):
+            return
+        pods = self._job_pods(state)
         if status.target is None:
-            await self._initial_target(state, uid, now)
+            if not pods:  # (a restart waits until the last run's pods are gone: same names)
+                await self._initial_target(state, uid, now)
             return
         target = status.target
-        pods = self._job_pods(state)
+        if (why := self._leader_lost(state, pods, now)) is not None:
+            if status.restarts < job.spec.max_restarts:
+                await self._restart(state, pods, why, now)
+            elif status.phase != "Failed":
+                await self._fail(state, pods, why, now)
+            return
         for name in status.lost:
             pod = pods.get(name)
             if pod is not None and pod.phase not in FINISHED:
@@ -345,6 +364,78 @@ class Controller:
                             f"{job.spec.scaling.drain_timeout_seconds:.0f}s of the scale-down "
                             f"to {target.workers} workers; deleted it anyway")
         await self._report(state, pods, applied, now)
+
+    def _before_restart(self, state: _JobState) -> bool:
+        """A view of the job from before this operator restarted it."""
+        uid, restarts = self._restarted.get(state.key, ("", 0))
+        return uid == state.body["metadata"].get("uid") and restarts > state.status.restarts
+
+    def _leader_lost(self, state: _JobState, pods: Mapping[str, Pod], now: float) -> str | None:
+        """Why the job cannot go on, if it cannot: its leader's pod failed (also before it
+        published a generation: say, its agent refused the spec), or has been gone for
+        ``LEADER_GONE_S`` once the job ran, or every member's pod failed."""
+        job, status = state.job, state.status
+        done = status.phase in FINISHED or status.step >= job.spec.training.steps
+        leader = builders.worker_name(state.name, 0)
+        pod = pods.get(leader)
+        if done or pod is not None or not status.members:
+            self._missed.pop(state.key, None)
+        if done:
+            return None
+        if pod is None:  # gone once the job ran; before, not started or not indexed yet
+            if not status.members:
+                return None
+            missed = self._missed.setdefault(state.key, now)
+            return f"the leader {leader} is gone" if now - missed >= LEADER_GONE_S else None
+        if pod.phase == "Failed":
+            return f"the leader {leader} failed"
+        members = [pods.get(m) for m in status.members]
+        if members and all(p is not None and p.phase == "Failed" for p in members):
+            return "every worker failed"
+        return None
+
+    async def _restart(self, state: _JobState, pods: Mapping[str, Pod], why: str,
+                       now: float) -> None:
+        """Start the job again: its pods go, and the first ones come back (``reconcile``) from
+        the newest checkpoint. The target and the agent's membership are emptied with them:
+        no agent runs to publish its own."""
+        job, status = state.job, state.status
+        restarts = status.restarts + 1
+        origin = ("the newest checkpoint under spec.checkpoint.path" if job.spec.checkpoint.path
+                  else "step 0 (spec.checkpoint.path is unset)")
+        line = (f"{why} at step {status.step}: restart {restarts} of {job.spec.max_restarts}, "
+                f"from {origin}")
+        log.warning("%s: %s", state.key, line)
+        conditions = [c.model_dump(by_alias=True) for c in status.conditions]
+        generation = state.body["metadata"].get("generation", 0)
+        await self.adapter.patch_status(state.name, state.namespace, {
+            "phase": "Restarting", "restarts": restarts, "target": None, "members": [],
+            "lost": [], "workers": 0, "lastDecision": line,
+            "conditions": _set_condition(conditions, READY, "False", "Restarting", line, now,
+                                         generation)})
+        self._restarted[state.key] = (state.body["metadata"].get("uid", ""), restarts)
+        self._written.pop(state.key, None)
+        self._missed.pop(state.key, None)
+        for name in pods:
+            await self.adapter.delete_pod(name, state.namespace)
+        self.metrics.decided(state.namespace, state.name, "restart")
+        await self.adapter.event(dict(state.body), reason="Restarted", warning=True, now=now,
+                                 message=line)
+
+    async def _fail(self, state: _JobState, pods: Mapping[str, Pod], why: str,
+                    now: float) -> None:
+        """The job cannot go on and has no restart left: the pods that still run go (they
+        hold GPUs for nothing), the failed ones stay for their logs."""
+        line = (f"{why} at step {state.status.step}, after {state.status.restarts} restarts "
+                f"(spec.maxRestarts): the job fails")
+        log.error("%s: %s", state.key, line)
+        await self.adapter.patch_status(state.name, state.namespace, {
+            "phase": "Failed", "lastDecision": line})
+        for name, pod in pods.items():
+            if pod.phase not in FINISHED:
+                await self.adapter.delete_pod(name, state.namespace)
+        await self.adapter.event(dict(state.body), reason="Failed", warning=True, now=now,
+                                 message=line)
 
     async def _supersede(self, state: _JobState, now: float) -> None:
         """Replace a target a fault has overtaken (the agent refuses it: its count no longer
@@ -385,12 +476,11 @@ class Controller:
         job, status = state.job, state.status
         target = status.target
         members = [pods.get(m) for m in status.members]
-        failed = [p is not None and p.phase == "Failed" for p in members]
         if status.step >= job.spec.training.steps:
             phase = "Succeeded"  # even with a target left unapplied: the agent takes none at the end
-        elif failed and (failed[0] or all(failed)):
-            phase = "Failed"  # the leader (it hosts the rendezvous) or everyone; the agent goes
-            # on without any other member it loses
+        elif status.phase == "Failed":
+            phase = "Failed"  # no restart left (_fail); the agent goes on without any other
+            # member it loses
         elif not applied:
             phase = "Pending" if not status.members else "Scaling"
         else:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-DECISION_KINDS = ("scale_up", "scale_down", "drain_deadline", "invalid")
-JOB_DECISION_KINDS = ("scale_up", "scale_down")
+DECISION_KINDS = ("scale_up", "scale_down", "drain_deadline", "restart", "invalid")
+JOB_DECISION_KINDS = ("scale_up", "scale_down", "restart")
 
 
 class Metrics:

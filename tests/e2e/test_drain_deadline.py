@@ -1,6 +1,7 @@
 """DESIGN.md section 3's fault path through the real operator: a worker that does not drain is
 deleted at the drain deadline, and the job goes on without a restart; a worker that dies
-unasked is replaced, and the job goes back to its minimum without a restart.
+unasked is replaced, and the job goes back to its minimum without a restart; a leader asked
+to stop halts the job at a step boundary it checkpoints, and the job restarts from there.
 
 The one-machine cluster of ``tidal local`` (the API emulator, scheduler and kubelet,
 ``tidal-operator``, one ``tidal agent`` process per worker pod); the tests only stop or kill a
@@ -151,3 +152,35 @@ def test_a_worker_that_dies_unasked_is_replaced_and_the_job_goes_on(tmp_path, si
                                                               else (0, 1))
     assert [g["members"] for g in report["generations"]][-2:] == [[w0], [w0, w2]]
     _bitwise_static(report, doc, workers=2)  # 2 workers, then 1, then 2 again
+
+
+@pytest.mark.timeout(420)
+def test_a_leader_asked_to_stop_halts_the_job_and_it_restarts_from_that_boundary(tmp_path):
+    """SIGTERM on the leader (its pod deleted, preempted or its node drained): it hosts the
+    rendezvous, so the job cannot go on without it. Every member saves the boundary it halts
+    at; the operator restarts the job, and it trains on from there."""
+    root = tmp_path / "ckpt"
+    doc = _tiny(200, {"min": 2, "max": 2}, checkpoint={"path": str(root), "everySteps": 50})
+    w0, w1 = (f"tiny-worker-{i}" for i in range(2))
+    with _running(doc, tmp_path, gpus=2) as (cluster, api, status):
+        _until(lambda: (s := status()).get("members") == [w0, w1] and s.get("step", 0) >= 20,
+               120, "the job at step 20", cluster)
+        os.killpg(cluster.runtime.pids()[f"{NAMESPACE}/{w0}"], signal.SIGTERM)
+        _until(lambda: status().get("restarts") == 1, 120, "the restart", cluster)
+        # The first leader's report, written before it exited; the next one writes it at the end.
+        halted = json.loads(cluster.runtime.report_path(NAMESPACE, w0).read_text())
+        _until(lambda: status().get("phase") == "Succeeded", 240, "the job to finish", cluster)
+        restarts = [e.message for e in api.list(Event, namespace=NAMESPACE)
+                    if e.reason == "Restarted"]
+        report = json.loads(cluster.runtime.report_path(NAMESPACE, w0).read_text())
+
+    at = halted["halted"]["step"]
+    assert at >= 20 and [s["step"] for s in halted["steps"]] == list(range(at))
+    assert halted["halted"]["checkpoint"] == str(root / f"step-{at:08d}")
+    assert restarts == [f"the leader {w0} failed at step {at}: restart 1 of 3, from the newest "
+                        "checkpoint under spec.checkpoint.path"]
+    # The restart starts from that boundary: nothing lost, nothing trained twice, and the two
+    # runs together are a static run, bit for bit.
+    assert report["resumed_from"] == halted["halted"]["checkpoint"]
+    assert report["generations"][0]["at_step"] == at
+    _bitwise_static({**report, "steps": halted["steps"] + report["steps"]}, doc, workers=2)

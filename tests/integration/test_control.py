@@ -27,7 +27,9 @@ from lightkube import Client
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.types import PatchType
 
+from tidal_agent import checkpoint
 from tidal_agent.control import AgentReport, ControlError, ControlLink, ControlledGenerations
+from tidal_agent.worker import Halt
 from tidal_agent.control import ElasticTrainingJobResource as ETJ
 from tidal_api import Target, keys
 from tidal_plan.elastic import Generation
@@ -177,6 +179,11 @@ def _drive(source: ControlledGenerations, me: str, steps: int, trained: list, st
     while step < steps:
         if following is None:
             following = source.following(gen, step)
+            if isinstance(following, Halt):
+                trained.append((me, "halted", following.step))
+                if me == source.leader:
+                    source.end(step)
+                return
         if following is not None and step == following.at_step:
             if me not in following.members:
                 trained.append((me, "left", step))
@@ -261,6 +268,57 @@ def test_generations_follow_targets_through_the_store():
     left = [t for t in trained if t[1] == "left"]
     assert left == [("j-worker-1", "left", runs[2][3])]
     assert ("j-worker-3", "released from standby") in trained
+
+
+def test_a_leader_asked_to_stop_halts_the_job_and_the_next_start_resumes(tmp_path):
+    """SIGTERM on the leader (its pod deleted, its node drained): every member halts at the
+    same boundary and a pod in standby leaves; the job's next start (the operator's restart)
+    begins at the newest complete checkpoint, on every member."""
+    steps, leader = 100, "j-worker-0"
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30), use_libuv=True)
+    stop = threading.Event()
+
+    def source(me, prefix):
+        store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                                                       timeout=timedelta(seconds=30)))
+        return ControlledGenerations(
+            me=me, leader=leader, store=store, min_workers=2, steps=steps,
+            choose=lambda n, first: (_layout(n), None), poll_s=0.01,
+            checkpoint_root=str(tmp_path), stop=stop if me == leader else None)
+
+    trained: list = []
+    threads = []
+    for me in ("j-worker-1", "j-worker-2", leader):  # worker-2 registers beyond min: standby
+        src = source(me, "run/")
+        threads.append(threading.Thread(target=_drive, args=(src, me, steps, trained),
+                                        daemon=True))
+        threads[-1].start()
+        _until(lambda: src.store.check([f"pod/{me}"]), 10, f"{me} to register")
+    _until(lambda: any(t[0] == leader and t[1] == 5 for t in trained), 10, "step 5")
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive()
+    halts = {t[0]: t[2] for t in trained if t[1] == "halted"}
+    assert set(halts) == {leader, "j-worker-1"} and len(set(halts.values())) == 1
+    (halted,) = set(halts.values())
+    assert max(t[1] for t in trained if isinstance(t[1], int)) == halted - 1
+    assert ("j-worker-2", "released from standby") in trained
+
+    # The restart: the members saved that boundary (and an older one; a newer one is
+    # incomplete). Generation 0 starts at the newest complete one, and says which.
+    for done, complete in ((halted - 3, True), (halted, True), (halted + 1, False)):
+        checkpoint.step_dir(tmp_path, done).mkdir(parents=True)
+        if complete:
+            (checkpoint.step_dir(tmp_path, done) / checkpoint.MARKER).write_text("{}")
+    fresh = {me: source(me, "restart/") for me in (leader, "j-worker-1")}
+    fresh["j-worker-1"].register()
+    gen, previous = fresh[leader].start(leader)
+    assert (gen.index, gen.at_step, previous) == (0, halted, None)
+    assert fresh["j-worker-1"].start("j-worker-1") == (gen, None)
+    expected = str(checkpoint.step_dir(tmp_path, halted))
+    assert fresh[leader].resume_from == fresh["j-worker-1"].resume_from == expected
 
 
 def test_recovery_decisions_through_the_store(tmp_path):

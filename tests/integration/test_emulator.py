@@ -832,6 +832,9 @@ def test_kubectl_applies_gets_describes_and_watches(emulator):
     header, row = _kubectl(emulator, "get", "etj").stdout.splitlines()
     assert header.split() == ["NAME", "WORKERS", "PP", "DP", "STEP", "PHASE", "AGE"]
     assert row.split()[:6] == ["tiny", "2", "2", "1", "5", "Running"]
+    header, row = _kubectl(emulator, "get", "etj", "-o", "wide").stdout.splitlines()
+    assert header.split()[-2:] == ["RESTARTS", "AGE"], header
+    assert row.split()[:7] == ["tiny", "2", "2", "1", "5", "Running", "0"], row
     described = _kubectl(emulator, "describe", "etj", "tiny").stdout
     events = described[described.index("Events:"):]
     assert "ScaleUp" in events and "2 -> 4 workers: 2 GPUs idle" in events

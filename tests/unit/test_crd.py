@@ -100,8 +100,11 @@ def test_names_version_subresource_and_columns():
     assert columns == {
         "Workers": ("integer", ".status.workers"), "PP": ("integer", ".status.layout.pp"),
         "DP": ("integer", ".status.layout.dp"), "Step": ("integer", ".status.step"),
-        "Phase": ("string", ".status.phase"), "Age": ("date", ".metadata.creationTimestamp"),
+        "Phase": ("string", ".status.phase"), "Restarts": ("integer", ".status.restarts"),
+        "Age": ("date", ".metadata.creationTimestamp"),
     }
+    wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority")]
+    assert wide == ["Restarts"]  # kubectl get -o wide
     for type_, path in columns.values():  # every column shows a field the schema has
         if not path.startswith(".metadata."):
             node = SCHEMA

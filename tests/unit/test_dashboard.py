@@ -171,7 +171,7 @@ def test_operator_counts_each_jobs_decisions_from_zero():
     assert _samples(metrics.registry)[key("scale_up")] == 0
     metrics.decided("ns", "j", "scale_up")
     got = _samples(metrics.registry)
-    assert got[key("scale_up")] == 1 and got[key("scale_down")] == 0
+    assert got[key("scale_up")] == 1 and got[key("scale_down")] == got[key("restart")] == 0
     assert got[("tidal_decisions_total", ("kind", "scale_up"))] == 1
     metrics.forget_job("ns", "j")
     assert key("scale_up") not in _samples(metrics.registry)
