@@ -268,6 +268,12 @@ class TemplateSpec(_Spec):
     annotations: dict[str, str] = Field(
         default_factory=dict, description="Annotations of the worker pods."
     )
+    termination_grace_period_seconds: int | None = Field(
+        None, ge=0, description="Seconds a worker pod has to stop once asked (Kubernetes' "
+        "default, 30, when unset): a member leaves at its next step boundary, the leader halts "
+        "the job there and every member saves a checkpoint of it. Leave room for a step and a "
+        "checkpoint save; a pod still running then is killed."
+    )
 
 
 class JobSpec(_Spec):

@@ -92,6 +92,8 @@ def worker_pod(
         pod_spec["tolerations"] = list(template.tolerations)
     if template.volumes:
         pod_spec["volumes"] = list(template.volumes)
+    if template.termination_grace_period_seconds is not None:
+        pod_spec["terminationGracePeriodSeconds"] = template.termination_grace_period_seconds
     labels = {
         **template.labels,
         **job_labels(name),

@@ -40,6 +40,11 @@ def test_worker_pod_is_owned_labelled_and_finds_its_leader(job):
     assert {p["name"]: p["containerPort"] for p in spec["containers"][0]["ports"]} == {
         "rendezvous": keys.RENDEZVOUS_PORT, "metrics": keys.METRICS_PORT}
     assert pod_gpus(spec, "nvidia.com/gpu") == job.spec.gpus_per_worker
+    assert "terminationGracePeriodSeconds" not in spec  # Kubernetes' default
+    patient = job.model_copy(update={"spec": job.spec.model_copy(update={
+        "template": job.spec.template.model_copy(update={"termination_grace_period_seconds": 300})})})
+    pod = builders.worker_pod(patient, uid="u-1", index=0, generation=0)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 300
 
 
 def test_headless_service_selects_the_jobs_workers(job):
