@@ -94,6 +94,7 @@ def pod_view(body: Mapping[str, Any], resource: str) -> Pod:
         unschedulable=unschedulable,
         created=parse_time(meta.get("creationTimestamp")) or 0.0,
         placement=Placement.of(spec.get("nodeSelector"), spec.get("tolerations")),
+        deleting=meta.get("deletionTimestamp") is not None,
     )
 
 
@@ -321,19 +322,22 @@ class Controller:
             return
         pods = self._job_pods(state)
         if status.target is None:
-            if not pods:  # (a restart waits until the last run's pods are gone: same names)
+            if not pods:
                 await self._initial_target(state, uid, now)
+            for name, pod in pods.items():  # a restart's (or a job's of the same name before):
+                if not pod.deleting:  # they go first, since the new pods take their names
+                    await self.adapter.delete_pod(name, state.namespace)
             return
         target = status.target
         if (why := self._leader_lost(state, pods, now)) is not None:
             if status.restarts < job.spec.max_restarts:
-                await self._restart(state, pods, why, now)
+                await self._restart(state, why, now)
             elif status.phase != "Failed":
                 await self._fail(state, pods, why, now)
             return
         for name in status.lost:
             pod = pods.get(name)
-            if pod is not None and pod.phase not in FINISHED:
+            if pod is not None and pod.phase not in FINISHED and not pod.deleting:
                 log.info("%s: deleting %s, lost to a fault", state.key, name)
                 await self.adapter.delete_pod(name, state.namespace)
         applied = bool(status.members) and status.generation == target.generation
@@ -394,11 +398,10 @@ class Controller:
             return "every worker failed"
         return None
 
-    async def _restart(self, state: _JobState, pods: Mapping[str, Pod], why: str,
-                       now: float) -> None:
-        """Start the job again: its pods go, and the first ones come back (``reconcile``) from
-        the newest checkpoint. The target and the agent's membership are emptied with them:
-        no agent runs to publish its own."""
+    async def _restart(self, state: _JobState, why: str, now: float) -> None:
+        """Start the job again: with no target, its pods go and then the first ones come back
+        (``reconcile``), from the newest checkpoint. The agent's membership is emptied too: no
+        agent runs to publish its own."""
         job, status = state.job, state.status
         restarts = status.restarts + 1
         origin = ("the newest checkpoint under spec.checkpoint.path" if job.spec.checkpoint.path
@@ -416,8 +419,6 @@ class Controller:
         self._restarted[state.key] = (state.body["metadata"].get("uid", ""), restarts)
         self._written.pop(state.key, None)
         self._missed.pop(state.key, None)
-        for name in pods:
-            await self.adapter.delete_pod(name, state.namespace)
         self.metrics.decided(state.namespace, state.name, "restart")
         await self.adapter.event(dict(state.body), reason="Restarted", warning=True, now=now,
                                  message=line)

@@ -132,6 +132,7 @@ class Pod:
     unschedulable: bool = False
     created: float = 0.0  # epoch seconds
     placement: Placement = ANYWHERE
+    deleting: bool = False  # its deletion was asked for (it may still run, and hold its GPUs)
 
     @property
     def finished(self) -> bool:

@@ -69,6 +69,9 @@ def test_pod_view_reads_gpus_node_job_and_unschedulable():
     assert (pod.key, pod.gpus, pod.node, pod.job, pod.unschedulable) == ("ns/p", 3, None, "ns/tiny", True)
     assert pod.created == pytest.approx(1767225610.0)
     assert pod_view(body, "amd.com/gpu").gpus == 0
+    assert not pod.deleting
+    body["metadata"]["deletionTimestamp"] = "2026-01-01T00:01:00Z"
+    assert pod_view(body, "nvidia.com/gpu").deleting  # asked to go; it may still run
 
 
 def test_condition_transition_time_moves_only_with_its_status():
