@@ -3,8 +3,11 @@
 No I/O and no clock: the same snapshot and ``now`` give the same decisions, whatever the order
 of the records in the snapshot (ties go to the node name, the job key, the pod key).
 
-Idle GPUs are a node's GPUs less those of the unfinished pods bound to it. Non-elastic pods
-(no ``tidal.dev/job``) that ask for GPUs, have no node and have not finished are *pending*.
+Idle GPUs are a node's GPUs less those of the unfinished pods bound to it. Pods that ask for
+GPUs, have no node and have not finished are *pending* if they are non-elastic (no
+``tidal.dev/job``) or the pods of an elastic job below its minimum: a new job's first pods, or a
+lost worker's replacement. A job's minimum is what it was admitted with, owed like any other
+pod's GPUs; only the workers above it are idle GPUs lent.
 
 **Scale down** when pods are pending (see :func:`_scale_down`): in FIFO order, each pending
 pod that does not fit on a node's free GPUs gets room on one node, from the elastic workers
@@ -14,7 +17,8 @@ already releases count as free, so a pod waiting for a drain does not cost a sec
 
 **Restore** first (see :func:`_restore`): a job that a fault left below its minimum gets new
 workers back to it, whatever else is pending, idle or due: the minimum is what the job was
-admitted with, and the GPUs of its lost pods were its own.
+admitted with, and the GPUs of its lost pods were its own. New workers that find no free GPUs
+are pending pods like any other: the scale-down makes room for them.
 
 **Scale up** only when no pod is pending, GPUs are idle and no elastic worker pod waits for a
 node (GPUs promised to a joiner are not counted twice); see :func:`_scale_up`.
@@ -67,6 +71,7 @@ class Decision:
 def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
     """The scale decisions for ``snapshot`` at ``now`` (epoch seconds), at most one per job."""
     free = {node.name: node.gpus for node in snapshot.nodes}
+    below = {job.key for job in snapshot.jobs if job.workers < job.min_workers}
     pending: list[Pod] = []
     workers: dict[str, Pod] = {}  # bound, unfinished elastic worker pods by key
     joiner_unbound = False
@@ -74,9 +79,9 @@ def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
         if pod.gpus <= 0 or pod.phase in FINISHED_PHASES:
             continue
         if pod.node is None:
-            if pod.job is None:
+            if pod.job is None or pod.job in below:
                 pending.append(pod)
-            else:
+            else:  # a scale-up's: its GPUs are promised
                 joiner_unbound = True
         elif pod.node in free:
             free[pod.node] -= pod.gpus
@@ -99,8 +104,9 @@ def _restore(snapshot: Snapshot, free: dict[str, int], where: _Where) -> tuple[D
 
     Neither the Poisson rule, the gain floor, the cooldown nor ``enabled`` applies: replacing a
     lost worker is not elasticity. The new workers take free GPUs where they fit (best fit,
-    ``nodes``); the rest are created anyway and wait for GPUs as any pod does. A busy job
-    (a target outstanding) is left alone: its target comes first.
+    ``nodes``); the rest are created anyway and wait for GPUs, pending pods that the next
+    rounds' scale-downs make room for. A busy job (a target outstanding) is left alone: its
+    target comes first.
     """
     decisions = []
     gpus = None

@@ -458,3 +458,29 @@ def test_a_job_that_loses_its_leader_restarts_then_fails_past_max_restarts(clust
     assert metrics["tidal_decisions_total[('kind', 'restart')]"] == 1
     assert metrics["tidal_job_decisions_total[('job', 'phoenix'), ('kind', 'restart'), "
                    "('namespace', 'default')]"] == 1
+
+
+def test_a_new_elastic_job_gets_back_the_gpus_another_one_grew_into(cluster):
+    api, _, _ = cluster
+    first = Leader(api, "early")
+    api.create(ETJ(job_manifest("early", workers={"min": 2, "max": 4})))
+    wait_for("two worker pods", lambda: len(pods_of(api, "early")) == 2)
+    first.apply()
+    first.publish(scaleTable=table("early", {2: 100.0, 3: 140.0, 4: 175.0}))
+    wait_for("a scale-up target", lambda: first.status()["target"]["generation"] == 1)
+    first.apply()
+    wait_for("Running at 4 workers: every GPU", lambda: first.running(4), seen=first.status)
+
+    # A second elastic job: its first pods wait, and the minimum they make is owed to them,
+    # like a non-elastic pod's GPUs; the first job's two extra workers were on lent GPUs.
+    api.create(ETJ(job_manifest("late", workers={"min": 2, "max": 4})))
+    wait_for("a scale-down target", lambda: first.status()["target"]["generation"] == 2,
+             seen=first.status)
+    target = first.status()["target"]
+    assert (target["workers"], target["reason"]) == (2, "PendingGPUPods")
+    assert any(r == "ScaleDown" and "to make room for default/late-worker-0" in m
+               for r, m in events_of(api, "early"))
+    first.apply()
+    second = Leader(api, "late")
+    wait_for("the new job's pods running", lambda: all(
+        second.pod_phase(p) == "Running" for p in ("late-worker-0", "late-worker-1")))

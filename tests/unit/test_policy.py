@@ -65,6 +65,17 @@ def recent(count, window=HOUR):
     return [NOW - window * (i + 0.5) / count for i in range(count)]
 
 
+def below_min(key, *, on, min_workers, **settings):
+    """A job that a fault left with the members ``on``, below its minimum."""
+    return job(key, on=on, min_workers=min_workers, **settings)
+
+
+def new_job(key, min_workers):
+    """A job just created: no member yet, its first pods waiting for GPUs."""
+    elastic, _ = job(key, on="", min_workers=min_workers, busy=True)
+    return elastic, tuple(Pod(f"{key}-{i}", 1, None, "Pending", key) for i in range(min_workers))
+
+
 def raised_min(entry, min_workers):
     """The spec's minimum raised after the agent built its table (which starts lower)."""
     elastic, pods = entry
@@ -219,17 +230,27 @@ SCALE_DOWN = [
                  [dict(from_workers=4, to_workers=2, release=("j-3", "j-2"),
                        room_for=(("q", "a"), ("r", "a")))],
                  id="one-decision-per-job"),
+    # An elastic job's minimum is owed like a non-elastic pod's GPUs; above it, GPUs are lent.
+    pytest.param(cluster({"a": 8}, job("j", on="aaaaaa", max_workers=6, factor=6),
+                         new_job("k", 2), others=[running("x", "a", 2)]),
+                 [dict(job="j", to_workers=4, release=("j-5", "j-4"),
+                       room_for=(("k-0", "a"), ("k-1", "a")))],
+                 id="a-new-elastic-jobs-first-pods-get-room"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaaaaa", max_workers=6, factor=6),
+                         below_min("k", on="aa", min_workers=3, busy=True),  # (restoring)
+                         others=[Pod("k-2", 1, None, "Pending", "k")]),
+                 [dict(job="j", to_workers=5, release=("j-5",), room_for=(("k-2", "a"),))],
+                 id="a-replacement-below-the-minimum-gets-room"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaaaaa", max_workers=6, factor=6),
+                         job("k", on="aa", busy=True),
+                         others=[Pod("k-2", 1, None, "Pending", "k")]), [],
+                 id="a-scale-ups-joiner-gets-none"),
 ]
 
 
 @pytest.mark.parametrize(("snapshot", "expected"), SCALE_DOWN)
 def test_scale_down(snapshot, expected):
     check(decide(snapshot, NOW), expected)
-
-
-def below_min(key, *, on, min_workers, **settings):
-    """A job that a fault left with the members ``on``, below its minimum."""
-    return job(key, on=on, min_workers=min_workers, **settings)
 
 
 RESTORE = [
@@ -339,6 +360,13 @@ def clusters(draw):
             switch_seconds=draw(st.sampled_from([0.0, 30.0, 600.0])),
             placement=draw(placement),
         ))
+    if draw(st.booleans()) and draw(st.booleans()):  # a job just created: its pods wait
+        key, lo, gpw, where = "ns/job-new", draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), \
+            draw(placement)
+        jobs.append(ElasticJob(key=key, min_workers=lo, max_workers=lo + 2, workers=0,
+                               gpus_per_worker=gpw, busy=True, placement=where))
+        pods += [Pod(f"{key}-{r}", gpw, None, "Pending", key, created=NOW - 20, placement=where)
+                 for r in range(lo)]
     tight = draw(st.booleans())  # other work fills what the jobs left, and pods wait
     for i, node in enumerate(names):
         gpus = draw(st.integers(0, free[node]))
@@ -352,6 +380,13 @@ def clusters(draw):
                     draw(st.sampled_from([NOW - 50.0, NOW - 5.0]))), placement=draw(placement)))
     arrivals = draw(st.lists(st.floats(NOW - 10 * HOUR, NOW), max_size=20))
     return Snapshot(nodes, tuple(pods), tuple(jobs), tuple(arrivals))
+
+
+def pending_pods(snapshot) -> list[Pod]:
+    """Pods waiting for GPUs: non-elastic ones, and those of a job below its minimum."""
+    below = {j.key for j in snapshot.jobs if j.workers < j.min_workers}
+    return [p for p in snapshot.pods if p.node is None and p.phase not in ("Succeeded", "Failed")
+            and (p.job is None or p.job in below)]
 
 
 def holding(snapshot) -> dict[str, int]:
@@ -371,7 +406,7 @@ def test_invariants_on_random_clusters(snapshot, shuffler):
     pods = {p.key: p for p in snapshot.pods}
     nodes = {n.name: n for n in snapshot.nodes}
     capacity = {n.name: n.gpus for n in snapshot.nodes}
-    pending = [p for p in snapshot.pods if p.node is None and p.job is None]
+    pending = pending_pods(snapshot)
     assert len({d.job for d in decisions}) == len(decisions), "one decision per job"
     assert {d.job for d in decisions if d.reason == BELOW_MINIMUM} == {
         j.key for j in snapshot.jobs if not j.busy and 0 < j.workers < j.min_workers}
@@ -431,7 +466,7 @@ def test_a_lone_pending_pod_gets_room_where_it_can(snapshot):
     """One pending pod that does not fit: if one job alone can free enough GPUs on one node
     (down to its smallest kept row at or above its minimum, keeping its leader), the policy
     makes room; if all the jobs on every node together cannot, it makes none."""
-    pending = [p for p in snapshot.pods if p.node is None and p.job is None]
+    pending = pending_pods(snapshot)
     if len(pending) != 1 or any(0 < j.workers < j.min_workers for j in snapshot.jobs):
         return  # (replacing lost workers comes first: test_invariants_on_random_clusters)
     (pod,) = pending

@@ -5,8 +5,9 @@ a job starts when its pods (8-GPU pods, and one for the remainder) all fit, best
 later jobs that fit start past a head that does not (backfill without reservation). A
 non-elastic job holds its GPUs for its duration. An elastic job starts at its minimum; its
 work is its duration at the minimum, done at its scale-table row's speedup; a switch stops
-its progress for the policy's overhead. Queued jobs show to ``decide`` as pending pods, so
-the operator's own scale-down makes room for them.
+its progress for the policy's overhead. Queued jobs show to ``decide`` as pending pods (an
+elastic job's with its label, and the job with no member yet, as the operator sees a new job),
+so the operator's own scale-down makes room for them.
 
 At every arrival, completion, switch end and periodic tick, the elastic policies build a
 :class:`Snapshot` and apply ``tidal_operator.policy.decide`` unchanged:
@@ -224,8 +225,8 @@ class Simulation:
     def _arrive(self, job: _Job) -> None:
         if job.trace.size is None:
             self.arrivals.append(job.trace.submit)
-        job.pending = tuple(Pod(f"{job.key}/{i}", size, None, "Pending", None,
-                                created=job.trace.submit)
+        job.pending = tuple(Pod(f"{job.key}/{i}", size, None, "Pending",
+                                job.key if job.trace.size else None, created=job.trace.submit)
                             for i, size in enumerate(job.pod_sizes()))
         self.queue.append(job)
 
@@ -325,6 +326,11 @@ class Simulation:
             if job.spec is not None:
                 busy = job.paused_until > self.now
                 jobs.append(job.spec if busy == job.spec.busy else replace(job.spec, busy=busy))
+        for job in self.queue:  # as the operator sees a new job: no member yet, its pods wait
+            if job.trace.size:  # (pending pods, owed their GPUs: policy.decide)
+                m = job.trace.gpus // GPUS_PER_NODE
+                jobs.append(ElasticJob(key=job.key, min_workers=m, max_workers=m, workers=0,
+                                       gpus_per_worker=GPUS_PER_NODE, busy=True))
         return Snapshot(self.nodes, tuple(pods), tuple(jobs), tuple(self.arrivals),
                         self.config.window_seconds)
 
