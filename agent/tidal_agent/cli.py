@@ -318,6 +318,7 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request otherwise
     from tidal_agent.control import ControlError, PodIdentity, run_agent
+    from tidal_agent.worker import LeaderLost
     from tidal_plan.devices import DeviceError
 
     if backend == "auto":
@@ -330,7 +331,7 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
                            plan_device=plan_device, publish_interval_s=publish_interval_s,
                            timeout_s=timeout_s, backend=backend, report_path=report,
                            metrics_port=metrics_port)
-    except (ControlError, JobSpecError, LayoutError, DeviceError) as err:
+    except (ControlError, JobSpecError, LayoutError, DeviceError, LeaderLost) as err:
         raise click.ClickException(str(err)) from None
     if "params_sha256" in result:
         last = result["steps"][-1] if result["steps"] else None

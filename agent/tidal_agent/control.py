@@ -35,6 +35,7 @@ import signal
 import statistics
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -326,6 +327,12 @@ class ControlledGenerations:
 
     Generation 0 starts from the newest complete checkpoint under ``checkpoint_root`` if there
     is one (the job restarted, or was applied again), else from step 0.
+
+    The leader lost (its store gone): the job cannot go on, but what the peer snapshots hold
+    need not be lost with it. The other members agree without the store (``rescue``: a
+    FileStore under ``checkpoint_root``, named by the run's id, which every pod learns with its
+    generation) on the newest boundary they hold whole, rebuild it in a layout of theirs and
+    save it, for the operator's restart to start from.
     """
 
     def __init__(
@@ -345,6 +352,7 @@ class ControlledGenerations:
         beat_s: float = 0.5,
         lost_after_s: float = 5.0,
         fault_wait_s: float = 300.0,
+        rescue_wait_s: float = 30.0,
         stop: threading.Event | None = None,
     ) -> None:
         self.me, self._leader, self.store = me, leader, store
@@ -356,6 +364,8 @@ class ControlledGenerations:
         self.checkpoint_root = checkpoint_root
         self.resume_from: str | None = None  # the checkpoint generation 0 starts from
         self.lost_after_s, self.fault_wait_s = lost_after_s, fault_wait_s
+        self.rescue_wait_s = rescue_wait_s
+        self.run = uuid.uuid4().hex[:12] if me == leader else ""  # this run of the job
         self._layouts: dict[int, Layout] = {}
         self.current: Generation | None = None  # the leader's newest generation
         self._first: Generation | None = None  # the leader's generation 0
@@ -417,6 +427,7 @@ class ControlledGenerations:
         gen, layout = _gen_from(data)
         self._layouts[gen.index] = layout
         self.recoveries = data.get("recoveries", 0)
+        self.run = data.get("run", "")
         previous = None
         if data.get("previous"):
             previous, old_layout = _gen_from(data["previous"])
@@ -436,7 +447,8 @@ class ControlledGenerations:
         self._layouts[0] = layout
         for pod in members[1:]:
             self.store.set(f"gen/{pod}", json.dumps({**_gen_json(gen, layout), "previous": None,
-                                                     "checkpoint": self.resume_from}))
+                                                     "checkpoint": self.resume_from,
+                                                     "run": self.run}))
         self._first = self.current = gen
         self.applied = 0
         log.info("generation 0: %s in %s from step %d%s", list(gen.members), layout.describe(),
@@ -499,8 +511,8 @@ class ControlledGenerations:
             announced = {**_gen_json(following, layout), "previous": _gen_json(gen, self.layout(gen))}
             for pod in following.members:  # a joiner also learns the recoveries so far, which
                 if pod not in gen.members:  # number the control keys it reads from now on
-                    self.store.set(f"gen/{pod}",
-                                   json.dumps({**announced, "recoveries": self.recoveries}))
+                    self.store.set(f"gen/{pod}", json.dumps(
+                        {**announced, "recoveries": self.recoveries, "run": self.run}))
             self.store.set(key, json.dumps(announced))
             self.current = following
             log.info("step %d: generation %d (%s) in %s from step %d", step, following.index,
@@ -529,19 +541,22 @@ class ControlledGenerations:
 
     def recover(self, me: str, trained: Generation, step: int, error: Exception,
                 held: dict[str, Any] | None = None) -> Recovery | None:
-        from tidal_agent.worker import Recovery
+        from tidal_agent.worker import LeaderLost, Recovery
 
         fault = f"fault/{self.recoveries}"
-        self.store.set(f"{fault}/at/{me}", json.dumps(
-            {"step": step, "error": f"{type(error).__name__}: {error}"[:500],
-             "held": held or {}}))
-        if me == self._leader:
-            decision = self._recovery(trained, step, fault, error)
-            self.store.set(f"{fault}/decision", json.dumps(decision))
-        else:
-            # The leader may wait fault_wait_s for members, then plan: wait past that.
-            self.store.wait([f"{fault}/decision"], timedelta(seconds=self.fault_wait_s + 60))
-            decision = json.loads(self.store.get(f"{fault}/decision"))
+        try:
+            self.store.set(f"{fault}/at/{me}", json.dumps(
+                {"step": step, "error": f"{type(error).__name__}: {error}"[:500],
+                 "held": held or {}}))
+            if me == self._leader:
+                decision = self._recovery(trained, step, fault, error)
+                self.store.set(f"{fault}/decision", json.dumps(decision))
+            else:
+                # The leader may wait fault_wait_s for members, then plan: wait past that.
+                self.store.wait([f"{fault}/decision"], timedelta(seconds=self.fault_wait_s + 60))
+                decision = json.loads(self.store.get(f"{fault}/decision"))
+        except dist.DistNetworkError as err:  # (a timeout is DistStoreError: not this)
+            raise LeaderLost(f"the rendezvous store on {self._leader} is gone: {err}") from error
         self.recoveries += 1
         if "abort" in decision:
             log.error("no recovery: %s", decision["abort"])
@@ -560,6 +575,42 @@ class ControlledGenerations:
                         checkpoint=decision["checkpoint"], failed_at=decision["failed_at"],
                         lost=tuple(decision["lost"]), snapshot=cut,
                         left=tuple(decision.get("left", ())))
+
+    def rescue(self, me: str, trained: Generation,
+               held: dict[str, Any] | None) -> tuple[Generation, Cut, dist.Store] | None:
+        """The leader is lost, and the store with it: the other members of ``trained`` agree
+        through a FileStore under ``checkpoint_root`` on the newest boundary their peer
+        snapshots hold whole. Their generation (to rebuild that boundary in, and save it),
+        the cut, and the store to build its world on; None where that cannot be: no checkpoint
+        root or snapshots, a member missing after ``rescue_wait_s``, no whole boundary."""
+        survivors = tuple(p for p in trained.members if p != self._leader)
+        if not self.checkpoint_root or held is None or not self.run or me not in survivors:
+            return None
+        path = Path(self.checkpoint_root) / f".rescue-{self.run}-{self.recoveries}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        store = dist.FileStore(str(path), -1)
+        store.set(f"at/{me}", json.dumps(held))
+        deadline = time.monotonic() + self.rescue_wait_s
+        while not store.check([f"at/{p}" for p in survivors]):
+            if time.monotonic() > deadline:
+                missing = [p for p in survivors if not store.check([f"at/{p}"])]
+                log.error("no rescue: %s did not report within %.0f s", missing,
+                          self.rescue_wait_s)
+                return None
+            time.sleep(self.poll_s)
+        cut = choose_cut({p: json.loads(store.get(f"at/{p}")) for p in survivors})
+        if cut is None:
+            log.error("no rescue: the peer snapshots of %s hold no whole boundary",
+                      list(survivors))
+            return None
+        try:  # generation 0 of a job has workers.min members
+            layout, _ = self._choose(len(survivors), self.min_workers)
+        except LayoutError as err:
+            log.error("no rescue: no layout for %d workers: %s", len(survivors), err)
+            return None
+        gen = Generation(index=trained.index + 1, at_step=cut.step, members=survivors)
+        self._layouts[gen.index] = layout
+        return gen, cut, store
 
     def _recovery(self, trained: Generation, step: int, fault: str,
                   error: Exception) -> dict[str, Any]:

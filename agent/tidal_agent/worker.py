@@ -28,7 +28,9 @@ checkpoint (from step 0 without one) and replay the steps since; bit for bit in 
 The leader hosts the rendezvous, so the job cannot go on without it. Asked to stop (SIGTERM),
 it halts the job at its next step boundary instead (``Halt``): every member saves a checkpoint
 of that boundary and exits, and the operator restarts the job, whose first generation starts
-from the newest complete checkpoint (``GenerationSource.resume_from``).
+from the newest complete checkpoint (``GenerationSource.resume_from``). A leader lost unasked
+takes the store with it (``LeaderLost``): the other members save what their peer snapshots
+hold instead (``rescue``), so the restart loses no more than the step in flight.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class Recovery:
     # neither checkpoint nor snapshot: start afresh from step 0
 
 
+class LeaderLost(RuntimeError):
+    """The rendezvous store is gone, so its host, the leader, is lost: the job cannot go on."""
+
+
 @dataclass(frozen=True, slots=True)
 class Halt:
     """The job stops at the boundary before ``step``: its leader was asked to stop. Every
@@ -129,6 +135,13 @@ class GenerationSource(Protocol):
         """``me``, asked to stop, leaves at the boundary before ``step`` unasked by any
         target: the others lose it and go on without waiting for its silence."""
 
+    def rescue(self, me: str, trained: Generation,
+               held: dict[str, Any] | None) -> tuple[Generation, Cut, Any] | None:
+        """The leader is lost (``recover`` raised ``LeaderLost``): the generation in which
+        the other members of ``trained`` rebuild the newest boundary their peer snapshots hold
+        whole (``held``: this one's ``PeerSnapshots.summary``), that cut, and a store to build
+        its world on, for them to save it; None if they cannot."""
+
 
 @dataclass(frozen=True, slots=True)
 class StaticGenerations:
@@ -160,6 +173,10 @@ class StaticGenerations:
     def depart(self, me: str, step: int) -> None:
         raise RuntimeError(f"{me}: a static schedule has no departures (tidal run stops "
                            "its workers itself)")
+
+    def rescue(self, me: str, trained: Generation,
+               held: dict[str, Any] | None) -> tuple[Generation, Cut, Any] | None:
+        return None  # the launcher hosts the store and stops every worker
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -258,7 +275,11 @@ class _Worker:
                                 err)
                     raise SystemExit(STOPPED) from None
                 failed = time.perf_counter()
-                recovery = self._recover(err)
+                try:
+                    recovery = self._recover(err)
+                except LeaderLost:
+                    self._rescue()
+                    raise
             if recovery is None:  # released while the others recovered
                 self.events.put(("left", self.me, self._step))
                 return
@@ -340,6 +361,23 @@ class _Worker:
         gc.collect()
         held = self.snapshots.summary() if self.snapshots is not None else None
         return self.source.recover(self.me, self._gen, self._step, err, held)
+
+    def _rescue(self) -> None:
+        """The leader is lost, so the job is: save the newest boundary the peer snapshots hold
+        whole, with the other members, for the operator's restart to start from."""
+        held = self.snapshots.summary() if self.snapshots is not None else None
+        rescue = self.source.rescue(self.me, self._gen, held)
+        if rescue is None:
+            return
+        gen, cut, store = rescue
+        world = build_world(self.opts.rendezvous, gen.index, gen.members, self.me,
+                            name="rescue", store=store)
+        trainer = self._trainer(gen, world, initialise=False)
+        self._rebuild(cut, gen, world, trainer)
+        path = checkpoint.save(trainer, self.opts.checkpoint_root, cut.step,
+                               trainer.layout.describe())
+        log.warning("%s: the leader is lost; the peer snapshots of step %d are saved in %s, "
+                    "for the job's restart", self.me, cut.step, path)
 
     def _resume(self, recovery: Recovery, failed: float) -> tuple[Trainer, World, int]:
         """Go on in the survivors' generation from the peer snapshots, a checkpoint or step 0."""

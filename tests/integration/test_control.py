@@ -321,6 +321,58 @@ def test_a_leader_asked_to_stop_halts_the_job_and_the_next_start_resumes(tmp_pat
     assert fresh[leader].resume_from == fresh["j-worker-1"].resume_from == expected
 
 
+def test_without_the_leader_the_others_agree_through_files_on_what_to_save(tmp_path):
+    """The leader's store gone, recover says so; the others agree through a FileStore under
+    the checkpoint root on the newest boundary their peer snapshots hold whole, or on nothing
+    if one of them does not report."""
+    from tidal_agent.worker import LeaderLost
+
+    leader, w1, w2 = "j-worker-0", "j-worker-1", "j-worker-2"
+    trained = Generation(index=3, at_step=0, members=(leader, w1, w2))
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30), use_libuv=True)
+
+    port = host.port
+
+    def source(me, run="r1", wait_s=30.0, store=None):
+        src = ControlledGenerations(me=me, leader=leader, store=store, min_workers=2, steps=100,
+                                    choose=lambda n, first: (_layout(n), None), poll_s=0.01,
+                                    checkpoint_root=str(tmp_path), rescue_wait_s=wait_s)
+        src.run = run  # as its generation's announcement says
+        return src
+
+    sources = {me: source(me, store=dist.PrefixStore("j/", dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)))) for me in (w1, w2)}
+    del host  # the leader's process ends, and its store with it
+    with pytest.raises(LeaderLost, match="the rendezvous store on j-worker-0 is gone"):
+        sources[w1].recover(w1, trained, 8, RuntimeError("Connection closed by peer"), {})
+
+    def copy(step, of=None):
+        data = {"generation": 3, "members": list(trained.members),
+                "layout": _layout(3).to_dict(), "step": step}
+        return {**data, "of": of} if of else data
+
+    held = {  # a ring: each keeps its own copies and its predecessor's
+        w1: {"own": [copy(7), copy(8)], "ward": [copy(7, leader), copy(8, leader)]},
+        w2: {"own": [copy(7)], "ward": [copy(7, w1)]},  # a boundary behind: it failed first
+    }
+    got = {}
+    threads = [threading.Thread(target=lambda me=me: got.setdefault(
+        me, sources[me].rescue(me, trained, held[me]))) for me in (w1, w2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    (gen, cut, _), (gen2, cut2, _) = got[w1], got[w2]
+    assert gen == gen2 and cut == cut2
+    assert (gen.members, gen.at_step, cut.step, dict(cut.senders)) == ((w1, w2), 7, 7, {leader: w1})
+    assert sources[w1].layout(gen).pp == 2  # the survivors' layout, to rebuild the cut in
+    # A survivor that never reports (its node went with the leader's): no rescue.
+    alone = source(w1, run="r2", wait_s=0.3)
+    assert alone.rescue(w1, trained, held[w1]) is None
+    assert source(w1, run="").rescue(w1, trained, held[w1]) is None  # no run: no agreement
+
+
 def test_recovery_decisions_through_the_store(tmp_path):
     """The fault path's agreement, with threads for pods: a failure nobody died of is raised,
     a silent member is left behind, a member the target releases is not waited for."""
