@@ -66,7 +66,10 @@ from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
 
 log = logging.getLogger("tidal.agent")
 
-STOPPED = 128 + 15  # the exit status of a worker that could not stop cleanly on SIGTERM
+# The exit status of a pod asked to stop (SIGTERM) that does not leave as a member does: the
+# leader once it halted the job, or a worker whose step failed while stopping. The operator
+# restarts a job whose leader exits so, and counts it no failure.
+STOPPED = 128 + 15
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

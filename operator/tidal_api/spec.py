@@ -300,9 +300,11 @@ class JobSpec(_Spec):
         default_factory=CheckpointSpec, description="Periodic checkpoints."
     )
     max_restarts: int = Field(
-        3, ge=0, description="Times the operator restarts the job when its leader (worker-0, "
-        "which hosts the rendezvous) is lost or every worker failed: fresh pods, starting from "
-        "the newest complete checkpoint under checkpoint.path. Past it, the job fails."
+        3, ge=0, description="Failures the operator restarts the job after: its leader "
+        "(worker-0, which hosts the rendezvous) failed, or every worker did. A restart is fresh "
+        "pods, starting from the newest complete checkpoint under checkpoint.path; one more "
+        "failure, and the job fails. A leader asked to stop (its pod deleted, preempted or "
+        "drained) is no failure: the job restarts whatever the count."
     )
     template: TemplateSpec = Field(
         default_factory=TemplateSpec, description="Overrides for the worker pods."

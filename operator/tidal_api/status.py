@@ -1,7 +1,7 @@
 """ElasticTrainingJob status: who owns which field, and the protocol they speak (DESIGN.md 3).
 
-The operator owns ``target``, ``phase``, ``conditions``, ``restarts`` and its hysteresis
-(``lastScaleTime``, ``lastDecision``, ``observedGeneration``); the agent leader owns
+The operator owns ``target``, ``phase``, ``conditions``, ``restarts``, ``failures`` and its
+hysteresis (``lastScaleTime``, ``lastDecision``, ``observedGeneration``); the agent leader owns
 ``generation`` (applied), ``members``, ``lost``, ``layout``, ``step``, ``loss``,
 ``tokensPerSecond``, ``stepSeconds``, ``predictedStepSeconds``, ``lastSwitchSeconds`` and
 ``scaleTable``. Each side writes only its own fields, with a merge patch on the status
@@ -100,8 +100,10 @@ class JobStatus(_Status):
     observed_generation: int = Field(
         0, ge=0, description="metadata.generation of the spec the operator last acted on."
     )
-    restarts: int = Field(
-        0, ge=0, description="Times the operator restarted the job (spec.maxRestarts)."
+    restarts: int = Field(0, ge=0, description="Times the operator restarted the job.")
+    failures: int = Field(
+        0, ge=0, description="Of the restarts, those after a failure (spec.maxRestarts bounds "
+        "them), not after a leader asked to stop."
     )
     # The agent leader's fields.
     generation: int = Field(0, ge=0, description="Generation the agent runs (applied).")

@@ -47,6 +47,7 @@ FINISHED = ("Succeeded", "Failed")
 # The agent takes no target in a job's last step; the operator asks for none a little earlier,
 # so that a scale-up it makes can still be applied (joiners start, register, then switch).
 NO_SWITCH_STEPS = 2
+STOPPED = 128 + 15  # the agent's exit status once it stopped when asked (SIGTERM)
 # A leader's pod missing from the index this long is gone, not a watch still filling it in.
 LEADER_GONE_S = 10.0
 
@@ -95,6 +96,9 @@ def pod_view(body: Mapping[str, Any], resource: str) -> Pod:
         created=parse_time(meta.get("creationTimestamp")) or 0.0,
         placement=Placement.of(spec.get("nodeSelector"), spec.get("tolerations")),
         deleting=meta.get("deletionTimestamp") is not None,
+        exit_code=next((c["state"]["terminated"].get("exitCode")
+                        for c in status.get("containerStatuses") or ()
+                        if (c.get("state") or {}).get("terminated")), None),
     )
 
 
@@ -329,9 +333,10 @@ class Controller:
                     await self.adapter.delete_pod(name, state.namespace)
             return
         target = status.target
-        if (why := self._leader_lost(state, pods, now)) is not None:
-            if status.restarts < job.spec.max_restarts:
-                await self._restart(state, why, now)
+        if (lost := self._leader_lost(state, pods, now)) is not None:
+            why, failure = lost
+            if not failure or status.failures < job.spec.max_restarts:
+                await self._restart(state, why, failure, now)
             elif status.phase != "Failed":
                 await self._fail(state, pods, why, now)
             return
@@ -374,10 +379,13 @@ class Controller:
         uid, restarts = self._restarted.get(state.key, ("", 0))
         return uid == state.body["metadata"].get("uid") and restarts > state.status.restarts
 
-    def _leader_lost(self, state: _JobState, pods: Mapping[str, Pod], now: float) -> str | None:
-        """Why the job cannot go on, if it cannot: its leader's pod failed (also before it
-        published a generation: say, its agent refused the spec), or has been gone for
-        ``LEADER_GONE_S`` once the job ran, or every member's pod failed."""
+    def _leader_lost(self, state: _JobState, pods: Mapping[str, Pod],
+                     now: float) -> tuple[str, bool] | None:
+        """Why the job cannot go on, if it cannot, and whether that is a failure: its
+        leader's pod failed (also before it published a generation: say, its agent refused
+        the spec), or every member's pod failed. Not failures: a leader that stopped when
+        asked (SIGTERM's exit status: it halted the job at a checkpoint), or whose pod has
+        been gone for ``LEADER_GONE_S`` once the job ran (deleted, preempted, drained)."""
         job, status = state.job, state.status
         done = status.phase in FINISHED or status.step >= job.spec.training.steps
         leader = builders.worker_name(state.name, 0)
@@ -390,30 +398,35 @@ class Controller:
             if not status.members:
                 return None
             missed = self._missed.setdefault(state.key, now)
-            return f"the leader {leader} is gone" if now - missed >= LEADER_GONE_S else None
+            return (f"the leader {leader} is gone", False) if now - missed >= LEADER_GONE_S \
+                else None
+        if pod.phase == "Failed" and pod.exit_code == STOPPED:
+            return f"the leader {leader} stopped when asked", False
         if pod.phase == "Failed":
-            return f"the leader {leader} failed"
+            code = f" (exit code {pod.exit_code})" if pod.exit_code is not None else ""
+            return f"the leader {leader} failed{code}", True
         members = [pods.get(m) for m in status.members]
         if members and all(p is not None and p.phase == "Failed" for p in members):
-            return "every worker failed"
+            return "every worker failed", True
         return None
 
-    async def _restart(self, state: _JobState, why: str, now: float) -> None:
+    async def _restart(self, state: _JobState, why: str, failure: bool, now: float) -> None:
         """Start the job again: with no target, its pods go and then the first ones come back
         (``reconcile``), from the newest checkpoint. The agent's membership is emptied too: no
         agent runs to publish its own."""
         job, status = state.job, state.status
-        restarts = status.restarts + 1
+        restarts, failures = status.restarts + 1, status.failures + int(failure)
         origin = ("the newest checkpoint under spec.checkpoint.path" if job.spec.checkpoint.path
                   else "step 0 (spec.checkpoint.path is unset)")
-        line = (f"{why} at step {status.step}: restart {restarts} of {job.spec.max_restarts}, "
-                f"from {origin}")
+        line = (f"{why} at step {status.step}: restart {restarts}"
+                + (f", failure {failures} of {job.spec.max_restarts}" if failure else "")
+                + f", from {origin}")
         log.warning("%s: %s", state.key, line)
         conditions = [c.model_dump(by_alias=True) for c in status.conditions]
         generation = state.body["metadata"].get("generation", 0)
         await self.adapter.patch_status(state.name, state.namespace, {
-            "phase": "Restarting", "restarts": restarts, "target": None, "members": [],
-            "lost": [], "workers": 0, "lastDecision": line,
+            "phase": "Restarting", "restarts": restarts, "failures": failures, "target": None,
+            "members": [], "lost": [], "workers": 0, "lastDecision": line,
             "conditions": _set_condition(conditions, READY, "False", "Restarting", line, now,
                                          generation)})
         self._restarted[state.key] = (state.body["metadata"].get("uid", ""), restarts)
@@ -427,7 +440,7 @@ class Controller:
                     now: float) -> None:
         """The job cannot go on and has no restart left: the pods that still run go (they
         hold GPUs for nothing), the failed ones stay for their logs."""
-        line = (f"{why} at step {state.status.step}, after {state.status.restarts} restarts "
+        line = (f"{why} at step {state.status.step}, after {state.status.failures} failures "
                 f"(spec.maxRestarts): the job fails")
         log.error("%s: %s", state.key, line)
         await self.adapter.patch_status(state.name, state.namespace, {

@@ -133,6 +133,7 @@ class Pod:
     created: float = 0.0  # epoch seconds
     placement: Placement = ANYWHERE
     deleting: bool = False  # its deletion was asked for (it may still run, and hold its GPUs)
+    exit_code: int | None = None  # of its first container, once terminated
 
     @property
     def finished(self) -> bool:

@@ -190,15 +190,16 @@ def test_a_job_whose_leader_is_lost_restarts_from_where_it_was(tmp_path):
     # Terminated: the halt's boundary, saved by every member; nothing lost.
     assert at >= 20 and [s["step"] for s in halted["steps"]] == list(range(at))
     assert halted["halted"]["checkpoint"] == str(root / f"step-{at:08d}")
-    assert restarts[0] == (f"the leader {w0} failed at step {at}: restart 1 of 3, from the "
-                           "newest checkpoint under spec.checkpoint.path")
+    assert restarts[0] == (f"the leader {w0} stopped when asked at step {at}: restart 1, from "
+                           "the newest checkpoint under spec.checkpoint.path")  # no failure
     # Killed: the survivor saved the newest boundary the peer snapshots held whole, the step
     # in flight at most behind what the job had published.
     rescued = report["generations"][0]["at_step"]
     assert rescued >= seen["step"] - 1 and rescued > at
     assert report["resumed_from"] == str(root / f"step-{rescued:08d}")
     assert f"the peer snapshots of step {rescued} are saved" in survivor
-    assert restarts[1].startswith(f"the leader {w0} failed at step ")
-    assert "restart 2 of 3" in restarts[1]
+    assert restarts[1].startswith(f"the leader {w0} failed (exit code 137) at step ")
+    assert restarts[1].endswith(": restart 2, failure 1 of 3, from the newest checkpoint under "
+                                "spec.checkpoint.path")
     # The runs' steps, where each ran, and the final parameters are a static run's, bit for bit.
     _bitwise_static(report, doc, 2, halted)

@@ -421,43 +421,63 @@ def test_a_job_that_loses_its_leader_restarts_then_fails_past_max_restarts(clust
     leader = Leader(api, "phoenix")
     w = [f"phoenix-worker-{i}" for i in range(2)]
     api.create(ETJ(job_manifest("phoenix", workers={"min": 2, "max": 2}, maxRestarts=1)))
-    wait_for("two worker pods", lambda: pods_of(api, "phoenix") == w)
-    first = {p: api.get(Pod, p, namespace=NS).metadata.uid for p in w}
-    leader.apply()
-    wait_for("Running at 2 workers", lambda: leader.running(2), seen=leader.status)
 
+    def started_again(old: dict[str, str]) -> dict[str, str]:
+        """The first pods, new ones, once the restart's old ones are gone; their uids."""
+        pods = wait_for("new first pods", lambda: pods_of(api, "phoenix") == w and (
+            uids := {p: api.get(Pod, p, namespace=NS).metadata.uid for p in w}) and all(
+            uids[p] != old.get(p) for p in w) and uids)
+        assert leader.status()["target"]["join"] == w
+        leader.apply()
+        wait_for("Running at 2 workers", lambda: leader.running(2), seen=leader.status)
+        return pods
+
+    def restarted(count: int) -> tuple[dict, str]:
+        status = wait_for(f"restart {count}",
+                          lambda: (s := leader.status()).get("restarts") == count and s,
+                          timeout_s=30, seen=leader.status)
+        lines = [m for r, m in events_of(api, "phoenix") if r == "Restarted"]
+        assert len(lines) == count
+        return status, next(m for m in lines if f"restart {count}," in m)
+
+    uids = started_again({})
     # The leader's pod is deleted (its node drained): the job cannot go on without it. The
-    # operator restarts it: the other pod goes too, and the first pods come back, new ones.
+    # operator restarts it, whatever maxRestarts: the other pod goes too, and the first pods
+    # come back, new ones.
     api.delete(Pod, w[0], namespace=NS)
-    restarted = wait_for("a restart", lambda: (s := leader.status()).get("restarts") == 1 and s,
-                         timeout_s=30, seen=leader.status)
-    assert restarted.get("members", []) == [] and restarted.get("lost", []) == []
-    assert (restarted.get("target") or {}).get("generation", 0) == 0
-    (line,) = [m for r, m in events_of(api, "phoenix") if r == "Restarted"]
-    assert line == ("the leader phoenix-worker-0 is gone at step 5: restart 1 of 1, "
-                    "from step 0 (spec.checkpoint.path is unset)")
-    wait_for("new first pods", lambda: pods_of(api, "phoenix") == w and all(
-        api.get(Pod, p, namespace=NS).metadata.uid != first[p] for p in w))
-    assert leader.status()["target"]["join"] == w
-    leader.apply()
-    wait_for("Running again", lambda: leader.running(2), seen=leader.status)
+    status, line = restarted(1)
+    assert status.get("members", []) == [] and status.get("lost", []) == []
+    assert (status.get("target") or {}).get("generation", 0) == 0
+    assert status.get("failures", 0) == 0
+    assert line == ("the leader phoenix-worker-0 is gone at step 5: restart 1, from step 0 "
+                    "(spec.checkpoint.path is unset)")
+    uids = started_again(uids)
 
-    # The leader fails again, with no restart left: the job fails, and its other pod, which
-    # holds a GPU for nothing, goes. The failed pod stays, for its logs.
+    # The leader fails: a failure, the one maxRestarts allows.
+    api.patch(Pod.Status, w[0], {"status": {"phase": "Failed"}}, namespace=NS,
+              patch_type=PatchType.MERGE)
+    status, line = restarted(2)
+    assert status["failures"] == 1
+    assert line == ("the leader phoenix-worker-0 failed at step 10: restart 2, failure 1 of 1, "
+                    "from step 0 (spec.checkpoint.path is unset)")
+    started_again(uids)
+
+    # It fails again, with no restart left: the job fails, and its other pod, which holds a
+    # GPU for nothing, goes. The failed pod stays, for its logs.
     api.patch(Pod.Status, w[0], {"status": {"phase": "Failed"}}, namespace=NS,
               patch_type=PatchType.MERGE)
     wait_for("phase Failed", lambda: leader.status().get("phase") == "Failed",
              seen=leader.status)
     wait_for("the running pod deleted", lambda: pods_of(api, "phoenix") == w[:1])
-    assert any(r == "Failed" and m.startswith("the leader phoenix-worker-0 failed at step 10, "
-                                                "after 1 restarts")
+    assert any(r == "Failed" and m == ("the leader phoenix-worker-0 failed at step 15, after 1 "
+                                       "failures (spec.maxRestarts): the job fails")
                for r, m in events_of(api, "phoenix"))
     time.sleep(1.0)  # rounds go by: it stays failed, and nothing restarts
-    assert leader.status()["phase"] == "Failed" and leader.status()["restarts"] == 1
+    assert leader.status()["phase"] == "Failed" and leader.status()["restarts"] == 2
     metrics = operator.metrics()
-    assert metrics["tidal_decisions_total[('kind', 'restart')]"] == 1
+    assert metrics["tidal_decisions_total[('kind', 'restart')]"] == 2
     assert metrics["tidal_job_decisions_total[('job', 'phoenix'), ('kind', 'restart'), "
-                   "('namespace', 'default')]"] == 1
+                   "('namespace', 'default')]"] == 2
 
 
 def test_a_new_elastic_job_gets_back_the_gpus_another_one_grew_into(cluster):

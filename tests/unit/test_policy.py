@@ -481,9 +481,11 @@ def test_a_lone_pending_pod_gets_room_where_it_can(snapshot):
         return
     alone, together = set(), Counter()  # nodes one job can clear; GPUs all jobs can free
     for job in snapshot.jobs:
+        if not job.enabled or job.busy or job.scale_table is None:
+            continue  # (a new job: busy, no table yet)
         rows = [r.workers for r in job.scale_table.rows
                 if job.min_workers <= r.workers < job.workers]
-        if not job.enabled or job.busy or not rows or any(m not in bound for m in job.members):
+        if not rows or any(m not in bound for m in job.members):
             continue
         for node, count in Counter(bound[m].node for m in job.members[1:]).items():
             if node not in capacity:
