@@ -59,17 +59,14 @@ from tidal_agent.switch import (TransferStats, carry_over, execute_reshard, inco
                                 state_metadata)
 from tidal_agent.trainer import Trainer, model_config
 from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world, drop_default_group
-from tidal_api import JobSpec
+from tidal_api import JobSpec, keys
 from tidal_plan.elastic import Generation
 from tidal_plan.layout import Layout
 from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
 
 log = logging.getLogger("tidal.agent")
 
-# The exit status of a pod asked to stop (SIGTERM) that does not leave as a member does: the
-# leader once it halted the job, or a worker whose step failed while stopping. The operator
-# restarts a job whose leader exits so, and counts it no failure.
-STOPPED = 128 + 15
+STOPPED = keys.STOPPED_EXIT_CODE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -22,6 +22,11 @@ RENDEZVOUS_PORT = 29400
 ENV_METRICS_PORT = "TIDAL_METRICS_PORT"  # the agent serves Prometheus metrics there
 METRICS_PORT = 9400
 
+# The agent's exit status once it stopped when asked (SIGTERM's, 128 + 15) without leaving as a
+# member does: the leader that halted the job, or a worker whose step failed while stopping.
+# The operator restarts a job whose leader exits so and counts it no failure.
+STOPPED_EXIT_CODE = 143
+
 # PriorityClasses the chart installs: elastic workers yield to everything else.
 ELASTIC_PRIORITY_CLASS = "tidal-elastic"
 DEFAULT_PRIORITY_CLASS = "tidal-default"

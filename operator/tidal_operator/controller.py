@@ -47,7 +47,6 @@ FINISHED = ("Succeeded", "Failed")
 # The agent takes no target in a job's last step; the operator asks for none a little earlier,
 # so that a scale-up it makes can still be applied (joiners start, register, then switch).
 NO_SWITCH_STEPS = 2
-STOPPED = 128 + 15  # the agent's exit status once it stopped when asked (SIGTERM)
 # A leader's pod missing from the index this long is gone, not a watch still filling it in.
 LEADER_GONE_S = 10.0
 
@@ -400,7 +399,7 @@ class Controller:
             missed = self._missed.setdefault(state.key, now)
             return (f"the leader {leader} is gone", False) if now - missed >= LEADER_GONE_S \
                 else None
-        if pod.phase == "Failed" and pod.exit_code == STOPPED:
+        if pod.phase == "Failed" and pod.exit_code == keys.STOPPED_EXIT_CODE:
             return f"the leader {leader} stopped when asked", False
         if pod.phase == "Failed":
             code = f" (exit code {pod.exit_code})" if pod.exit_code is not None else ""

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,10 +84,15 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass  # the group is gone already
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(taken: Collection[int] = ()) -> int:
+    """A port free now and not in ``taken`` (ports given out that may be free for a while: a
+    job's rendezvous port between its leader's exit and its restart)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 @dataclass(slots=True)
@@ -225,11 +231,13 @@ class AgentProcesses:
                 log.warning("%s/%s: env %s: only values and fieldRefs are supported here",
                             meta["namespace"], meta["name"], var["name"])
         job = (meta.get("labels") or {}).get(keys.JOB_LABEL, meta["name"])
-        port = self._ports.setdefault((meta["namespace"], job), free_port())
+        if (meta["namespace"], job) not in self._ports:  # kept for the job's restarts
+            self._ports[meta["namespace"], job] = free_port(taken=set(self._ports.values()))
+        port = self._ports[meta["namespace"], job]
         env[keys.ENV_RENDEZVOUS_HOST] = "127.0.0.1"
         env[keys.ENV_RENDEZVOUS_PORT] = str(port)
         if keys.ENV_METRICS_PORT in env:  # every pod names the same port; here they share a host
-            env[keys.ENV_METRICS_PORT] = str(free_port())
+            env[keys.ENV_METRICS_PORT] = str(free_port(taken=set(self._ports.values())))
         return env
 
 
