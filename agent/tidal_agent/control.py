@@ -749,7 +749,7 @@ class AgentReport:
         self.generations: list[dict[str, Any]] = []
         self.digests: dict[int, tuple[str, str]] | None = None
         self.left_at: int | None = None
-        self.halted: dict[str, Any] | None = None  # the boundary the job halted at, and its checkpoint
+        self.halted: dict[str, Any] | None = None  # where the job halted, and its checkpoint
         self._recent: deque[float] = deque(maxlen=window)
         self._predicted: dict[int, float | None] = {}
 

@@ -325,6 +325,8 @@ class Controller:
             return
         pods = self._job_pods(state)
         if status.target is None:
+            if state.key in self._written:
+                return  # the first target this loop wrote is not in this view yet
             if not pods:
                 await self._initial_target(state, uid, now)
             for name, pod in pods.items():  # a restart's (or a job's of the same name before):
@@ -372,6 +374,14 @@ class Controller:
                             f"{job.spec.scaling.drain_timeout_seconds:.0f}s of the scale-down "
                             f"to {target.workers} workers; deleted it anyway")
         await self._report(state, pods, applied, now)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """A deleted job: its gauges, and what this loop kept of it (a job created again under
+        its name starts afresh)."""
+        key = f"{namespace}/{name}"
+        for kept in (self._written, self._restarted, self._missed):
+            kept.pop(key, None)
+        self.metrics.forget_job(namespace, name)
 
     def _before_restart(self, state: _JobState) -> bool:
         """A view of the job from before this operator restarted it."""
@@ -478,6 +488,7 @@ class Controller:
         await self.adapter.patch_status(state.name, state.namespace, {
             "phase": "Pending", "target": target, "observedGeneration":
                 state.body["metadata"].get("generation", 0)})
+        self._written[state.key] = 0
         for i in range(len(join)):
             await self.adapter.create(builders.worker_pod(job, uid=uid, index=i, generation=0))
         await self.adapter.event(dict(state.body), reason="Created", now=now,

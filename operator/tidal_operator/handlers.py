@@ -104,7 +104,8 @@ async def validate(body: kopf.Body, **_: Any) -> None:
 
 @kopf.on.delete(*ETJ, optional=True)
 def forget(namespace: str, name: str, **_: Any) -> None:
-    """Drop the job's gauges; its pods and Service go with it (owner references)."""
+    """Drop the job's gauges and what the loop kept of it; its pods and Service go with it
+    (owner references)."""
     controller: Controller | None = _state.get("controller")
     if controller is not None:
-        controller.metrics.forget_job(namespace, name)
+        controller.forget(namespace, name)

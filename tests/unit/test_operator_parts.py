@@ -41,8 +41,8 @@ def test_worker_pod_is_owned_labelled_and_finds_its_leader(job):
         "rendezvous": keys.RENDEZVOUS_PORT, "metrics": keys.METRICS_PORT}
     assert pod_gpus(spec, "nvidia.com/gpu") == job.spec.gpus_per_worker
     assert "terminationGracePeriodSeconds" not in spec  # Kubernetes' default
-    patient = job.model_copy(update={"spec": job.spec.model_copy(update={
-        "template": job.spec.template.model_copy(update={"termination_grace_period_seconds": 300})})})
+    template = job.spec.template.model_copy(update={"termination_grace_period_seconds": 300})
+    patient = job.model_copy(update={"spec": job.spec.model_copy(update={"template": template})})
     pod = builders.worker_pod(patient, uid="u-1", index=0, generation=0)
     assert pod["spec"]["terminationGracePeriodSeconds"] == 300
 

@@ -361,8 +361,8 @@ def clusters(draw):
             placement=draw(placement),
         ))
     if draw(st.booleans()) and draw(st.booleans()):  # a job just created: its pods wait
-        key, lo, gpw, where = "ns/job-new", draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), \
-            draw(placement)
+        key, lo, where = "ns/job-new", draw(st.integers(1, 3)), draw(placement)
+        gpw = draw(st.sampled_from([1, 2]))
         jobs.append(ElasticJob(key=key, min_workers=lo, max_workers=lo + 2, workers=0,
                                gpus_per_worker=gpw, busy=True, placement=where))
         pods += [Pod(f"{key}-{r}", gpw, None, "Pending", key, created=NOW - 20, placement=where)
