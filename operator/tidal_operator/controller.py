@@ -138,6 +138,7 @@ class Controller:
     # job key -> (uid, status.restarts set): views from before a restart are stale
     _restarted: dict[str, tuple[str, int]] = field(default_factory=dict)
     _missed: dict[str, float] = field(default_factory=dict)  # job key -> leader's pod first missed
+    _started: dict[str, str] = field(default_factory=dict)  # job key -> uid given a first target
     _services: set[str] = field(default_factory=set)  # uids whose Service exists
     _arrivals: dict[str, float] = field(default_factory=dict)  # non-elastic GPU pod -> created
     _parsed: dict[tuple[str, str], ElasticTrainingJob | str] = field(default_factory=dict)
@@ -325,7 +326,7 @@ class Controller:
             return
         pods = self._job_pods(state)
         if status.target is None:
-            if state.key in self._written:
+            if self._started.get(state.key) == uid:
                 return  # the first target this loop wrote is not in this view yet
             if not pods:
                 await self._initial_target(state, uid, now)
@@ -379,7 +380,7 @@ class Controller:
         """A deleted job: its gauges, and what this loop kept of it (a job created again under
         its name starts afresh)."""
         key = f"{namespace}/{name}"
-        for kept in (self._written, self._restarted, self._missed):
+        for kept in (self._written, self._restarted, self._missed, self._started):
             kept.pop(key, None)
         self.metrics.forget_job(namespace, name)
 
@@ -439,8 +440,8 @@ class Controller:
             "conditions": _set_condition(conditions, READY, "False", "Restarting", line, now,
                                          generation)})
         self._restarted[state.key] = (state.body["metadata"].get("uid", ""), restarts)
-        self._written.pop(state.key, None)
-        self._missed.pop(state.key, None)
+        for kept in (self._written, self._missed, self._started):
+            kept.pop(state.key, None)
         self.metrics.decided(state.namespace, state.name, "restart")
         await self.adapter.event(dict(state.body), reason="Restarted", warning=True, now=now,
                                  message=line)
@@ -488,7 +489,7 @@ class Controller:
         await self.adapter.patch_status(state.name, state.namespace, {
             "phase": "Pending", "target": target, "observedGeneration":
                 state.body["metadata"].get("generation", 0)})
-        self._written[state.key] = 0
+        self._started[state.key] = uid
         for i in range(len(join)):
             await self.adapter.create(builders.worker_pod(job, uid=uid, index=i, generation=0))
         await self.adapter.event(dict(state.body), reason="Created", now=now,
