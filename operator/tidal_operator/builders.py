@@ -75,6 +75,9 @@ def worker_pod(
         "ports": [{"name": "rendezvous", "containerPort": keys.RENDEZVOUS_PORT},
                   {"name": "metrics", "containerPort": keys.METRICS_PORT}],
         "resources": resources,
+        # A failed agent's last log lines stay in its status: the Event of the restart that
+        # deletes the pod quotes them.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if template.volume_mounts:
         container["volumeMounts"] = list(template.volume_mounts)

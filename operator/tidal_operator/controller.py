@@ -80,6 +80,8 @@ def pod_view(body: Mapping[str, Any], resource: str) -> Pod:
     meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
     labels = meta.get("labels") or {}
     job = labels.get(keys.JOB_LABEL)
+    terminated = next((c["state"]["terminated"] for c in status.get("containerStatuses") or ()
+                       if (c.get("state") or {}).get("terminated")), {})
     unschedulable = any(
         c.get("type") == "PodScheduled" and c.get("status") == "False"
         and c.get("reason") == "Unschedulable"
@@ -95,9 +97,8 @@ def pod_view(body: Mapping[str, Any], resource: str) -> Pod:
         created=parse_time(meta.get("creationTimestamp")) or 0.0,
         placement=Placement.of(spec.get("nodeSelector"), spec.get("tolerations")),
         deleting=meta.get("deletionTimestamp") is not None,
-        exit_code=next((c["state"]["terminated"].get("exitCode")
-                        for c in status.get("containerStatuses") or ()
-                        if (c.get("state") or {}).get("terminated")), None),
+        exit_code=terminated.get("exitCode"),
+        last_words=(terminated.get("message") or "").strip().rsplit("\n", 1)[-1][:200],
     )
 
 
@@ -413,8 +414,10 @@ class Controller:
         if pod.phase == "Failed" and pod.exit_code == keys.STOPPED_EXIT_CODE:
             return f"the leader {leader} stopped when asked", False
         if pod.phase == "Failed":
-            code = f" (exit code {pod.exit_code})" if pod.exit_code is not None else ""
-            return f"the leader {leader} failed{code}", True
+            said = ", ".join(filter(None, (
+                f"exit code {pod.exit_code}" if pod.exit_code is not None else "",
+                pod.last_words)))  # what its logs ended with, if the kubelet kept it
+            return f"the leader {leader} failed" + (f" ({said})" if said else ""), True
         members = [pods.get(m) for m in status.members]
         if members and all(p is not None and p.phase == "Failed" for p in members):
             return "every worker failed", True

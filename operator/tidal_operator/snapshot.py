@@ -134,6 +134,7 @@ class Pod:
     placement: Placement = ANYWHERE
     deleting: bool = False  # its deletion was asked for (it may still run, and hold its GPUs)
     exit_code: int | None = None  # of its first container, once terminated
+    last_words: str = ""  # the last line of that container's termination message
 
     @property
     def finished(self) -> bool:

@@ -453,13 +453,19 @@ def test_a_job_that_loses_its_leader_restarts_then_fails_past_max_restarts(clust
                     "(spec.checkpoint.path is unset)")
     uids = started_again(uids)
 
-    # The leader fails: a failure, the one maxRestarts allows.
-    api.patch(Pod.Status, w[0], {"status": {"phase": "Failed"}}, namespace=NS,
-              patch_type=PatchType.MERGE)
+    # The leader fails: a failure, the one maxRestarts allows. Its pod goes with the restart;
+    # the Event keeps what its logs ended with (the kubelet's FallbackToLogsOnError).
+    api.patch(Pod.Status, w[0], {"status": {"phase": "Failed", "containerStatuses": [
+        {"name": "agent", "image": "tidal", "imageID": "", "ready": False, "restartCount": 0,
+         "state": {"terminated": {
+            "exitCode": 1, "message": "Traceback (most recent call last):\n  ...\n"
+                                      "RuntimeError: CUDA error: an illegal memory access\n"}}}]}},
+              namespace=NS, patch_type=PatchType.MERGE)
     status, line = restarted(2)
     assert status["failures"] == 1
-    assert line == ("the leader phoenix-worker-0 failed at step 10: restart 2, failure 1 of 1, "
-                    "from step 0 (spec.checkpoint.path is unset)")
+    assert line == ("the leader phoenix-worker-0 failed (exit code 1, RuntimeError: CUDA error: "
+                    "an illegal memory access) at step 10: restart 2, failure 1 of 1, from step 0 "
+                    "(spec.checkpoint.path is unset)")
     started_again(uids)
 
     # It fails again, with no restart left: the job fails, and its other pod, which holds a

@@ -41,6 +41,7 @@ def test_worker_pod_is_owned_labelled_and_finds_its_leader(job):
         "rendezvous": keys.RENDEZVOUS_PORT, "metrics": keys.METRICS_PORT}
     assert pod_gpus(spec, "nvidia.com/gpu") == job.spec.gpus_per_worker
     assert "terminationGracePeriodSeconds" not in spec  # Kubernetes' default
+    assert spec["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
     template = job.spec.template.model_copy(update={"termination_grace_period_seconds": 300})
     patient = job.model_copy(update={"spec": job.spec.model_copy(update={"template": template})})
     pod = builders.worker_pod(patient, uid="u-1", index=0, generation=0)
@@ -69,7 +70,11 @@ def test_pod_view_reads_gpus_node_job_and_unschedulable():
     assert (pod.key, pod.gpus, pod.node, pod.job, pod.unschedulable) == ("ns/p", 3, None, "ns/tiny", True)
     assert pod.created == pytest.approx(1767225610.0)
     assert pod_view(body, "amd.com/gpu").gpus == 0
-    assert not pod.deleting
+    assert not pod.deleting and pod.exit_code is None and pod.last_words == ""
+    body["status"]["containerStatuses"] = [{"name": "agent", "state": {"terminated": {
+        "exitCode": 1, "message": "Traceback (most recent call last):\n  ...\nValueError: x\n"}}}]
+    ended = pod_view(body, "nvidia.com/gpu")
+    assert (ended.exit_code, ended.last_words) == (1, "ValueError: x")
     body["metadata"]["deletionTimestamp"] = "2026-01-01T00:01:00Z"
     assert pod_view(body, "nvidia.com/gpu").deleting  # asked to go; it may still run
 
