@@ -963,11 +963,9 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
             return {"pod": identity.pod, "left_at": report.left_at, "done": False}
         store.add("exited", 1)
         return {"pod": identity.pod, "left_at": report.left_at, "done": report.digests is not None}
-    source.end(steps)
     result = _leader_report(identity.job, spec, source, report, store)
-    _write_report(report_path, result)
     link.publish(step=steps)
-    _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
+    _end(source, store, steps, result, report_path, timeout_s)
     del host  # only now may the store go down
     return result
 
@@ -980,22 +978,23 @@ def _halt(identity: PodIdentity, source: ControlledGenerations, report: AgentRep
     from tidal_agent.worker import STOPPED
 
     halted = report.halted
-    source.end(halted["step"])
-    _write_report(report_path, {
-        "job": identity.job, "members": list(source.current.members), "halted": halted,
-        "resumed_from": source.resume_from, "generations": report.generations,
-        "steps": report.steps, "reconfigurations": report.reconfigurations,
-        "recoveries": report.recoveries})
-    _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
+    _end(source, store, halted["step"], {**_run_record(identity.job, source, report),
+                                         "halted": halted}, report_path, timeout_s)
     log.warning("%s: halted at step %d; the operator restarts the job from %s", identity.pod,
                 halted["step"], halted["checkpoint"] or "step 0 (spec.checkpoint.path is unset)")
     raise SystemExit(STOPPED)
 
 
-def _write_report(path: str | Path | None, result: Mapping[str, Any]) -> None:
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+def _end(source: ControlledGenerations, store: dist.Store, step: int, result: Mapping[str, Any],
+         report_path: str | Path | None, timeout_s: float) -> None:
+    """The leader's part at the job's end, at its last step or halted: standby pods leave,
+    the report is written, and the store stays up until every other registered pod is done
+    with it."""
+    source.end(step)
+    if report_path is not None:
+        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(report_path).write_text(json.dumps(result, indent=2) + "\n")
+    _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
 
 
 def _stop_on_sigterm(pod: str) -> threading.Event:
@@ -1024,11 +1023,19 @@ def _leader_report(job: str, spec, source: ControlledGenerations, report: AgentR
         received = json.loads(store.get(f"digest/{pod}"))
         digests.update({int(k): (name, digest) for k, (name, digest) in received.items()})
     return {
+        **_run_record(job, source, report),
+        "params_sha256": params_sha256(digests, len(global_parameter_names(model_config(spec)))),
+    }
+
+
+def _run_record(job: str, source: ControlledGenerations, report: AgentReport) -> dict[str, Any]:
+    """The run as the leader saw it: where it started, its generations, steps, switches and
+    recoveries, and where it is now."""
+    return {
         "job": job, "members": list(source.current.members), "resumed_from": source.resume_from,
         "layout": source.layout(source.current).to_dict(), "generations": report.generations,
         "steps": report.steps, "reconfigurations": report.reconfigurations,
         "recoveries": report.recoveries,
-        "params_sha256": params_sha256(digests, len(global_parameter_names(model_config(spec)))),
     }
 
 

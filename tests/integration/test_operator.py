@@ -254,15 +254,21 @@ def test_the_operator_scales_a_job_up_into_idle_gpus_and_down_for_a_pending_pod(
     assert metrics["tidal_arrival_rate_per_hour"] == pytest.approx(3600 / 28800)  # one arrival in 8 h
 
 
-def test_past_the_drain_deadline_released_pods_are_deleted_anyway(cluster):
-    api, _, _ = cluster
-    leader = Leader(api, "slow")
-    api.create(ETJ(job_manifest("slow", workers={"min": 2, "max": 4})))
-    wait_for("two worker pods", lambda: len(pods_of(api, "slow")) == 2)
+def grown(api: Client, name: str, tokens_per_second: dict[int, float]) -> Leader:
+    """A job of 2 to 4 workers, applied at 2, then grown as far as its scale table says."""
+    leader = Leader(api, name)
+    api.create(ETJ(job_manifest(name, workers={"min": 2, "max": 4})))
+    wait_for("two worker pods", lambda: len(pods_of(api, name)) == 2)
     leader.apply()
-    leader.publish(scaleTable=table("slow", {2: 100.0, 3: 150.0, 4: 190.0}))
+    leader.publish(scaleTable=table(name, tokens_per_second))
     wait_for("a scale-up target", lambda: leader.status()["target"]["generation"] == 1)
     leader.apply()
+    return leader
+
+
+def test_past_the_drain_deadline_released_pods_are_deleted_anyway(cluster):
+    api, _, _ = cluster
+    leader = grown(api, "slow", {2: 100.0, 3: 150.0, 4: 190.0})
     api.create(Pod.from_dict({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "big", "namespace": NS},
                               "spec": {"containers": [{"name": "main", "image": "busybox",
                                                        "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}))
@@ -488,13 +494,7 @@ def test_a_job_that_loses_its_leader_restarts_then_fails_past_max_restarts(clust
 
 def test_a_new_elastic_job_gets_back_the_gpus_another_one_grew_into(cluster):
     api, _, _ = cluster
-    first = Leader(api, "early")
-    api.create(ETJ(job_manifest("early", workers={"min": 2, "max": 4})))
-    wait_for("two worker pods", lambda: len(pods_of(api, "early")) == 2)
-    first.apply()
-    first.publish(scaleTable=table("early", {2: 100.0, 3: 140.0, 4: 175.0}))
-    wait_for("a scale-up target", lambda: first.status()["target"]["generation"] == 1)
-    first.apply()
+    first = grown(api, "early", {2: 100.0, 3: 140.0, 4: 175.0})
     wait_for("Running at 4 workers: every GPU", lambda: first.running(4), seen=first.status)
 
     # A second elastic job: its first pods wait, and the minimum they make is owed to them,

@@ -106,7 +106,7 @@ class _Job:
     start: float | None = None
     end: float | None = None
     # elastic only
-    spec: ElasticJob | None = None
+    spec: ElasticJob | None = None  # while it queues, as the operator sees a new job
     speed: dict[int, float] = field(default_factory=dict)
     work: float = 0.0  # seconds at the minimum left
     paused_until: float = 0.0
@@ -228,6 +228,10 @@ class Simulation:
         job.pending = tuple(Pod(f"{job.key}/{i}", size, None, "Pending",
                                 job.key if job.trace.size else None, created=job.trace.submit)
                             for i, size in enumerate(job.pod_sizes()))
+        if job.trace.size:  # as the operator sees a new job: no member yet, below its minimum
+            m = job.trace.gpus // GPUS_PER_NODE
+            job.spec = ElasticJob(key=job.key, min_workers=m, max_workers=m, workers=0,
+                                  gpus_per_worker=GPUS_PER_NODE, busy=True)
         self.queue.append(job)
 
     def _finish(self, job: _Job) -> None:
@@ -326,11 +330,7 @@ class Simulation:
             if job.spec is not None:
                 busy = job.paused_until > self.now
                 jobs.append(job.spec if busy == job.spec.busy else replace(job.spec, busy=busy))
-        for job in self.queue:  # as the operator sees a new job: no member yet, its pods wait
-            if job.trace.size:  # (pending pods, owed their GPUs: policy.decide)
-                m = job.trace.gpus // GPUS_PER_NODE
-                jobs.append(ElasticJob(key=job.key, min_workers=m, max_workers=m, workers=0,
-                                       gpus_per_worker=GPUS_PER_NODE, busy=True))
+        jobs += [job.spec for job in self.queue if job.spec is not None]  # (see _arrive)
         return Snapshot(self.nodes, tuple(pods), tuple(jobs), tuple(self.arrivals),
                         self.config.window_seconds)
 
