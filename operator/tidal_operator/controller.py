@@ -17,9 +17,11 @@ Per job and round (``reconcile``):
   - pods the agent declared lost (``status.lost``) that still run are deleted; their names
     are never given again. Replacing them, up to ``workers.min``, is ``decide``'s;
   - the leader's pod failed or gone, or every member failed: the job cannot go on (the leader
-    hosts the rendezvous), so it restarts, up to ``spec.maxRestarts`` times: every pod is
-    deleted, the target and the agent's membership emptied, and once the pods are gone the
-    first pods start again, from the newest checkpoint (the agent's generation 0 loads it);
+    hosts the rendezvous), so it restarts: every pod is deleted, the target and the agent's
+    membership emptied, and once the pods are gone the first pods start again, from the
+    newest checkpoint (the agent's generation 0 loads it). A leader that stopped when asked,
+    or whose pod is gone, is no failure; after ``spec.maxRestarts`` failures the next one
+    fails the job;
   - phase, conditions and the job's metrics follow the status the agent publishes.
 Then ``decide`` runs over the whole cluster and its decisions become targets, pods and Events.
 """
