@@ -5,12 +5,16 @@ scale table (PP-only, DP+PP), ``tidal sim``'s run with its defaults: every polic
 ``jct_speedup`` (static's mean elastic JCT over the policy's) and ``queue_ratio`` (the mean
 non-elastic queue time over static's), then per policy the geometric mean of the speedups over
 the traces and the worst queue ratio, and the wall seconds of each trace's run (all policies,
-static included; the largest trace's against the 60 s target). Prints JSON.
+static included; the largest trace's against the 60 s target). Beside them, each trace's
+ceiling: static's mean elastic JCT over what it would be if every elastic job ran at its
+table's cap from its start (``Simulation.ceiling_speedup``). Prints JSON.
 
     python bench/sim.py [--traces DIR] [--out DIR] [--doc FILE] [--json FILE] [--seed 0]
                         [--load 0.8] [--share 0.3] [--cluster default|elasticflow]
+                        [--pause-scale 1]
 
-``--load`` and ``--share`` change the defaults of ``tidal sim`` for a sensitivity run.
+``--load`` and ``--share`` change the defaults of ``tidal sim`` for a sensitivity run;
+``--pause-scale 0`` makes every switch free, to show how much the switch cost takes.
 ``--cluster elasticflow`` replaces the default cluster size by the one the traces' publishers
 simulated each trace on (ElasticFlow's artifact, ``scheduler/run_fig8b.sh``: 64 nodes of 8
 GPUs, 128 for cluster04/07/08/09, 32 for the others).
@@ -67,8 +71,8 @@ def summary_markdown(results: list[dict], summary: dict) -> str:
         lines += [f"#### {title} scale tables", "",
                   "| trace | nodes (GPUs) | elastic jobs | "
                   + " | ".join(f"{p} JCT speedup / queue ratio" for p in policies)
-                  + " | seconds |",
-                  "|---|---|---|" + "---|" * len(policies) + "---|"]
+                  + " | ceiling | seconds |",
+                  "|---|---|---|" + "---|" * len(policies) + "---|---|"]
         for r in (r for r in results if r["elastic"] == elastic):
             cells = []
             for p in policies:
@@ -77,11 +81,11 @@ def summary_markdown(results: list[dict], summary: dict) -> str:
                 cells.append(f"{run['jct_speedup']:.2f}x / {ratio}")
             lines.append(f"| {Path(r['trace']).stem} | {r['nodes']} ({r['gpus']}) | "
                          f"{r['elastic_jobs']} of {r['jobs']} | " + " | ".join(cells)
-                         + f" | {r['seconds']:.1f} |")
+                         + f" | {r['ceiling_jct_speedup']:.2f}x | {r['seconds']:.1f} |")
         means = summary[elastic]
         lines.append("| **geometric mean / worst** | | | " + " | ".join(
             f"**{means[p]['jct_speedup_geomean']:.2f}x** / {_worst(means[p])}"
-            for p in policies) + " | |")
+            for p in policies) + f" | {means['ceiling_jct_speedup_geomean']:.2f}x | |")
         lines += ["", f"Target (tidal): geometric mean at least {TARGETS[elastic]}x, every "
                       f"queue ratio at most 1.00.", ""]
     return "\n".join(lines)
@@ -104,6 +108,8 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=DEFAULT_SHARE)
     parser.add_argument("--cluster", choices=("default", "elasticflow"), default="default",
                         help="cluster size: tidal sim's default, or ElasticFlow's per trace")
+    parser.add_argument("--pause-scale", type=float, default=1.0,
+                        help="multiply every switch's pause (0: free switches)")
     args = parser.parse_args()
     traces = sorted(args.traces.glob("*.csv"))
     if not traces:
@@ -115,7 +121,8 @@ def main() -> None:
             started = time.perf_counter()
             nodes = elasticflow_nodes(trace) if args.cluster == "elasticflow" else None
             report, runs = run_trace(trace, elastic=elastic, seed=args.seed, load=args.load,
-                                     share=args.share, nodes=nodes, console=console)
+                                     share=args.share, nodes=nodes,
+                                     pause_scale=args.pause_scale, console=console)
             report["seconds"] = time.perf_counter() - started
             print_table(report, console)
             if args.out is not None:
@@ -128,7 +135,8 @@ def main() -> None:
     summary: dict = {}
     for elastic in ELASTIC:
         runs = [r for r in results if r["elastic"] == elastic]
-        summary[elastic] = {}
+        summary[elastic] = {"ceiling_jct_speedup_geomean": geomean(
+            [r["ceiling_jct_speedup"] for r in runs])}
         for policy in POLICIES:
             ratios = [r["policies"][policy]["queue_ratio"] for r in runs]
             summary[elastic][policy] = {
@@ -139,13 +147,14 @@ def main() -> None:
     largest = max(traces, key=lambda t: t.stat().st_size)
     out = {
         "benchmark": "sim", "seed": args.seed, "load": args.load, "share": args.share,
-        "cluster": args.cluster, "traces": [t.name for t in traces],
+        "cluster": args.cluster, "pause_scale": args.pause_scale,
+        "traces": [t.name for t in traces],
         "targets": TARGETS, "summary": summary,
         "largest_trace": largest.name,
         "largest_trace_seconds": {r["elastic"]: r["seconds"] for r in results
                                   if r["trace"] == str(largest)},
         "runs": [{k: r[k] for k in ("trace", "elastic", "nodes", "gpus", "jobs",
-                                    "elastic_jobs", "seconds")}
+                                    "elastic_jobs", "ceiling_jct_speedup", "seconds")}
                  | {"policies": {p: {k: r["policies"][p][k]
                                      for k in ("jct_speedup", "queue_ratio")}
                                  for p in POLICIES}} for r in results],

@@ -68,6 +68,21 @@ def test_arrival_makes_tidal_shrink_and_waits_for_the_drain():
     assert report["elastic_jct_mean_s"] < static["elastic_jct_mean_s"]
 
 
+def test_free_switches_pause_nothing_and_drain_at_once():
+    jobs = [job(0, 0, 100000, 8, "small"), job(1, 5000, 100, 8)]
+    report = simulate(jobs, SimConfig(policy="tidal", nodes=2, pause_scale=0.0))
+    assert report["scale_downs"] == 1 and report["switch_seconds"] == 0.0
+    assert report["queue_mean_s"] == 0.0  # 2.0 with the hot switch's drain (above)
+
+
+def test_ceiling_runs_every_elastic_job_at_its_cap_after_static_queue():
+    jobs = [job(0, 0, 1000, 8), job(1, 10, 1000, 8, "small")]  # j001 queues 990 s
+    sim = Simulation(jobs, SimConfig(policy="static", nodes=1))
+    sim.run()
+    cap = load_tables(sim.config)["small"].rows[-1].speedup  # a 1-worker job at 2 workers
+    assert sim.ceiling_speedup() == 1990 / (990 + 1000 / cap)
+
+
 def test_flextrain_restarts_cost_more_than_hot_switches():
     jobs = [job(0, 0, 100000, 16, "small"), job(1, 5000, 100, 8), job(2, 20000, 100, 8)]
     runs = compare(jobs, nodes=4, policies=("flextrain", "tidal"))  # grows to all 4
@@ -149,7 +164,8 @@ def test_sim_command_writes_the_report(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["nodes"] == 2 and set(report["policies"]) == {"static", "tidal"}
-    assert report["policies"]["tidal"]["jct_speedup"] > 1.0
+    assert 1.0 < report["policies"]["tidal"]["jct_speedup"] < report["ceiling_jct_speedup"]
+    assert report["pause_scale"] == 1.0 and "ceiling" in result.output
     # b waits for a's drain (static: no wait), so there is no finite queue ratio
     assert report["policies"]["tidal"]["queue_mean_s"] > 0
     assert report["policies"]["tidal"]["queue_ratio"] is None

@@ -44,7 +44,8 @@ def elastic_rule(share: float) -> str:
 
 def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
               share: float = DEFAULT_SHARE, load: float = DEFAULT_LOAD, nodes: int | None = None,
-              seed: int = 0, console: Console | None = None) -> tuple[dict, dict[str, Outcome]]:
+              seed: int = 0, pause_scale: float = 1.0,
+              console: Console | None = None) -> tuple[dict, dict[str, Outcome]]:
     """Simulate ``policies`` (and static) over one trace with a progress bar per policy;
     the JSON report and each policy's :class:`Outcome`."""
     try:
@@ -62,15 +63,18 @@ def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
                 for n in names}
         try:
             runs = compare(jobs, nodes, policies=policies, elastic=elastic, seed=seed,
-                           progress=lambda n, f: progress.update(bars[n], completed=f))
+                           progress=lambda n, f: progress.update(bars[n], completed=f),
+                           pause_scale=pause_scale)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
     report = {
         "trace": str(trace_path), "nodes": nodes, "gpus_per_node": GPUS_PER_NODE,
         "gpus": GPUS_PER_NODE * nodes,
         "elastic": elastic, "seed": seed, "share": share, "load": load,
+        "pause_scale": pause_scale,
         "jobs": len(jobs), "elastic_jobs": sum(1 for j in jobs if j.size),
         "elastic_rule": elastic_rule(share),
+        "ceiling_jct_speedup": runs["static"].ceiling_speedup,
         "policies": {n: r.report for n, r in runs.items()},
     }
     return report, runs
@@ -79,7 +83,9 @@ def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
 def print_table(report: dict, console: Console) -> None:
     table = Table(title=f"{Path(report['trace']).name}: {report['nodes']} nodes x "
                         f"{report['gpus_per_node']} GPUs, {report['elastic_jobs']} of "
-                        f"{report['jobs']} jobs elastic ({report['elastic']})")
+                        f"{report['jobs']} jobs elastic ({report['elastic']})",
+                  caption=f"ceiling: {report['ceiling_jct_speedup']:.2f}x JCT speedup if "
+                          f"every elastic job ran at its table's cap, queued as under static")
     table.add_column("policy")
     for _, title, _ in _COLUMNS:
         table.add_column(title, justify="right")
@@ -105,17 +111,20 @@ def print_table(report: dict, console: Console) -> None:
 @click.option("--nodes", type=click.IntRange(min=1), default=None,
               help="8-GPU nodes [default: the trace's mean GPU demand at --load, and at least "
                    "4x the largest elastic job, FlexTrain's elastic range].")
+@click.option("--pause-scale", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Multiply every switch's pause; 0 makes switches free, which shows how "
+                   "much of the result the switch cost takes (a diagnostic).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seeds the spread of switch pauses; the same seed gives the same report.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the JSON report here.")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write PNGs here: normalised JCT and queue time, queue-time CDF, GPUs.")
-def sim(trace_path, policies, elastic, share, load, nodes, seed, report_path,
+def sim(trace_path, policies, elastic, share, load, nodes, pause_scale, seed, report_path,
         plots_dir) -> None:
     """Simulate the scaling policies over a job trace on a simulated clock."""
     report, runs = run_trace(trace_path, policies=policies, elastic=elastic, share=share,
-                             load=load, nodes=nodes, seed=seed)
+                             load=load, nodes=nodes, seed=seed, pause_scale=pause_scale)
     # A pipe or file gets the whole table, not one squeezed into 80 columns.
     print_table(report, Console() if sys.stdout.isatty() else Console(width=160))
     if report_path is not None:

@@ -57,6 +57,7 @@ class SimConfig:
     window_seconds: float = 28800.0
     seed: int = 0
     jitter: float = 0.25  # sigma of the lognormal spread of each switch's pause
+    pause_scale: float = 1.0  # multiplies every pause; 0: free switches (a diagnostic)
     tables_dir: Path = _TABLES
 
     def __post_init__(self) -> None:
@@ -64,8 +65,10 @@ class SimConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         if self.elastic not in ("pp", "dp-pp"):
             raise ValueError(f"elastic must be pp or dp-pp, got {self.elastic!r}")
-        if self.nodes < 1 or self.tick_seconds <= 0 or self.jitter < 0:
-            raise ValueError("need nodes >= 1, tick_seconds > 0 and jitter >= 0")
+        if (self.nodes < 1 or self.tick_seconds <= 0 or self.jitter < 0
+                or self.pause_scale < 0):
+            raise ValueError("need nodes >= 1, tick_seconds > 0, jitter >= 0 and "
+                             "pause_scale >= 0")
 
 
 def load_tables(config: SimConfig) -> dict[str, ScaleTable]:
@@ -316,7 +319,8 @@ class Simulation:
 
     def _base_pause(self, job: _Job) -> float:
         hot = self.config.policy == "tidal"
-        return (HOT_SWITCH_SECONDS if hot else RESTART_SECONDS)[job.trace.size]
+        table = HOT_SWITCH_SECONDS if hot else RESTART_SECONDS
+        return self.config.pause_scale * table[job.trace.size]
 
     # --- the policy ---------------------------------------------------------------------
     def _snapshot(self) -> Snapshot:
@@ -400,6 +404,20 @@ class Simulation:
         """Elastic jobs' completion times (end less submission), sorted."""
         return sorted(j.end - j.trace.submit for j in self.jobs if j.trace.size)
 
+    def ceiling_speedup(self) -> float:
+        """Static's mean elastic JCT over what it would be if every elastic job ran at its
+        table's cap from its start: how much room the tables leave on this cluster (1.0 with
+        no elastic job). Read on a finished ``static`` run, whose queue times it keeps; not a
+        bound, since elasticity also shortens queues."""
+        jobs = [j for j in self.jobs if j.trace.size]
+        if not jobs:
+            return 1.0
+        tables = load_tables(self.config)
+        at_cap = [j.start - j.trace.submit + j.trace.duration / job_table(
+            tables[j.trace.size], j.trace.gpus // GPUS_PER_NODE).rows[-1].speedup
+            for j in jobs]
+        return fmean(self.jct_seconds()) / fmean(at_cap)
+
     def queue_seconds(self) -> list[float]:
         """Non-elastic jobs' queue times (start less submission), sorted."""
         return sorted(j.start - j.trace.submit for j in self.jobs if not j.trace.size)
@@ -425,27 +443,31 @@ class Outcome:
     jct_s: list[float]  # elastic jobs' completion times, sorted
     queue_s: list[float]  # non-elastic jobs' queue times, sorted
     timeline: tuple[list[float], list[int]]  # (time since the first submission, GPUs held)
+    ceiling_speedup: float | None = None  # static's only: Simulation.ceiling_speedup
 
 
 def compare(jobs: list[TraceJob], nodes: int, policies=POLICIES, elastic: str = "pp",
-            seed: int = 0, progress: Callable[[str, float], None] | None = None
-            ) -> dict[str, Outcome]:
+            seed: int = 0, progress: Callable[[str, float], None] | None = None,
+            pause_scale: float = 1.0) -> dict[str, Outcome]:
     """``static`` and every policy over ``jobs``, static's figures the baseline of the ratios.
 
     ``jct_speedup`` is static's mean elastic JCT over the policy's; ``queue_ratio`` is the
     policy's mean non-elastic queue time over static's (None where static's is 0 and the
-    policy's is not: no finite ratio). ``progress(policy, fraction)`` follows each run.
+    policy's is not: no finite ratio). ``progress(policy, fraction)`` follows each run;
+    ``pause_scale`` multiplies every switch's pause.
     """
     first = min((j.submit for j in jobs), default=0.0)
     out: dict[str, Outcome] = {}
     for name in dict.fromkeys(("static", *policies)):
-        config = SimConfig(policy=name, nodes=nodes, elastic=elastic, seed=seed)
+        config = SimConfig(policy=name, nodes=nodes, elastic=elastic, seed=seed,
+                           pause_scale=pause_scale)
         hook = None if progress is None else (lambda f, name=name: progress(name, f))
         sim = Simulation(jobs, config, progress=hook)
         report = sim.run()
         times, held = sim.timeline
         out[name] = Outcome(report, sim.jct_seconds(), sim.queue_seconds(),
-                            ([t - first for t in times], held))
+                            ([t - first for t in times], held),
+                            sim.ceiling_speedup() if name == "static" else None)
     base = out["static"].report
     for outcome in out.values():
         r = outcome.report
