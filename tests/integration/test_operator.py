@@ -430,9 +430,14 @@ def test_a_job_that_loses_its_leader_restarts_then_fails_past_max_restarts(clust
 
     def started_again(old: dict[str, str]) -> dict[str, str]:
         """The first pods, new ones, once the restart's old ones are gone; their uids."""
-        pods = wait_for("new first pods", lambda: pods_of(api, "phoenix") == w and (
-            uids := {p: api.get(Pod, p, namespace=NS).metadata.uid for p in w}) and all(
-            uids[p] != old.get(p) for p in w) and uids)
+        def new_pods() -> dict[str, str] | None:
+            # One list: a pod listed, then read again, may be gone by then (the restart).
+            uids = {p.metadata.name: p.metadata.uid for p in api.list(
+                Pod, namespace=NS, labels={"tidal.dev/job": "phoenix"})}
+            fresh = sorted(uids) == w and all(uids[p] != old.get(p) for p in w)
+            return uids if fresh else None
+
+        pods = wait_for("new first pods", new_pods)
         assert leader.status()["target"]["join"] == w
         leader.apply()
         wait_for("Running at 2 workers", lambda: leader.running(2), seen=leader.status)
