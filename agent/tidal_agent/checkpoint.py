@@ -15,13 +15,15 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tidal_agent.trainer import Trainer
-from tidal_agent.world import ensure_default_group
+from tidal_agent.world import World, ensure_default_group
 
 MARKER = "tidal.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -47,16 +49,24 @@ def latest(root: str | Path, *, at_most: int | None = None) -> tuple[int, Path] 
 
 def save(trainer: Trainer, root: str | Path, steps_done: int, layout_description: str) -> Path:
     """Collectively save this job's state after ``steps_done`` steps; every rank calls it."""
+    return save_state(trainer.state_tensors(), trainer.world, root, steps_done,
+                      layout_description, trainer.num_params)
+
+
+def save_state(state: Mapping[str, torch.Tensor], world: World, root: str | Path,
+               steps_done: int, layout_description: str, num_params: int) -> Path:
+    """:func:`save` of ``state`` (global names) by the ranks of ``world``, each with what it
+    holds. Where ranks hold the same name (data-parallel replicas), it is written once."""
     target = step_dir(root, steps_done)
-    ensure_default_group(trainer.world)
+    ensure_default_group(world)
     if dist.get_rank() == 0 and target.exists():
         shutil.rmtree(target)  # an incomplete earlier attempt at the same step
     dist.barrier()
-    dcp.save(trainer.state_tensors(), checkpoint_id=target)
+    dcp.save(dict(state), checkpoint_id=target)
     dist.barrier()
     if dist.get_rank() == 0:
         meta = {"steps_done": steps_done, "layout": layout_description,
-                "num_params": trainer.num_params}
+                "num_params": num_params}
         (target / MARKER).write_text(json.dumps(meta) + "\n")
     dist.barrier()
     return target

@@ -580,9 +580,10 @@ class ControlledGenerations:
                held: dict[str, Any] | None) -> tuple[Generation, Cut, dist.Store] | None:
         """The leader is lost, and the store with it: the other members of ``trained`` agree
         through a FileStore under ``checkpoint_root`` on the newest boundary their peer
-        snapshots hold whole. Their generation (to rebuild that boundary in, and save it),
-        the cut, and the store to build its world on; None where that cannot be: no checkpoint
-        root or snapshots, a member missing after ``rescue_wait_s``, no whole boundary."""
+        snapshots hold whole. Their generation (whose world saves that boundary's copies as
+        they are), the cut, and the store to build its world on; None where that cannot be: no
+        checkpoint root or snapshots, a member missing after ``rescue_wait_s``, no whole
+        boundary."""
         survivors = tuple(p for p in trained.members if p != self._leader)
         if not self.checkpoint_root or held is None or not self.run or me not in survivors:
             return None
@@ -603,14 +604,7 @@ class ControlledGenerations:
             log.error("no rescue: the peer snapshots of %s hold no whole boundary",
                       list(survivors))
             return None
-        try:  # generation 0 of a job has workers.min members
-            layout, _ = self._choose(len(survivors), self.min_workers)
-        except LayoutError as err:
-            log.error("no rescue: no layout for %d workers: %s", len(survivors), err)
-            return None
-        gen = Generation(index=trained.index + 1, at_step=cut.step, members=survivors)
-        self._layouts[gen.index] = layout
-        return gen, cut, store
+        return Generation(index=trained.index + 1, at_step=cut.step, members=survivors), cut, store
 
     def _recovery(self, trained: Generation, step: int, fault: str,
                   error: Exception) -> dict[str, Any]:

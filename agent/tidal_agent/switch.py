@@ -25,14 +25,23 @@ from tidal_plan.reshard import ReshardPlan, TensorMeta, bucketize
 
 def state_metadata(config: ModelConfig) -> list[TensorMeta]:
     """Every state tensor of the model, in global order, as the planner sees it."""
-    metas = []
+    return [TensorMeta(name=name, unit=unit, numel=shape.numel(), itemsize=4)
+            for name, shape, unit in _state(config)]
+
+
+def state_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """Every state tensor's shape, by global name."""
+    return {name: shape for name, shape, _ in _state(config)}
+
+
+def _state(config: ModelConfig) -> list[tuple[str, torch.Size, int]]:
+    """(name, shape, unit) of every state tensor, in global order."""
+    out = []
     for name, shape, unit in global_parameters(config):
-        numel = shape.numel()
-        metas.append(TensorMeta(name=name, unit=unit, numel=numel, itemsize=4))
+        out.append((name, shape, unit))
         for key in STATE_KEYS:  # AdamW's step is a scalar; the moments are parameter-shaped
-            size = 1 if key == "step" else numel
-            metas.append(TensorMeta(name=f"{name}/{key}", unit=unit, numel=size, itemsize=4))
-    return metas
+            out.append((f"{name}/{key}", torch.Size(()) if key == "step" else shape, unit))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

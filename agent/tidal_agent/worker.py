@@ -52,11 +52,12 @@ from typing import Any, Protocol
 import torch
 
 from tidal_agent import checkpoint
+from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile, calibrate_trainer, time_collectives
 from tidal_agent.snapshot import Cut, PeerSnapshots
 from tidal_agent.switch import (TransferStats, carry_over, execute_reshard, incoming,
-                                state_metadata)
+                                state_metadata, state_shapes)
 from tidal_agent.trainer import Trainer, model_config
 from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world, drop_default_group
 from tidal_api import JobSpec, keys
@@ -137,10 +138,10 @@ class GenerationSource(Protocol):
 
     def rescue(self, me: str, trained: Generation,
                held: dict[str, Any] | None) -> tuple[Generation, Cut, Any] | None:
-        """The leader is lost (``recover`` raised ``LeaderLost``): the generation in which
-        the other members of ``trained`` rebuild the newest boundary their peer snapshots hold
-        whole (``held``: this one's ``PeerSnapshots.summary``), that cut, and a store to build
-        its world on, for them to save it; None if they cannot."""
+        """The leader is lost (``recover`` raised ``LeaderLost``): the generation whose world
+        the other members of ``trained`` save the newest boundary their peer snapshots hold
+        whole in (``held``: this one's ``PeerSnapshots.summary``), that cut, and a store to
+        build the world on; None if they cannot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,10 +373,17 @@ class _Worker:
         gen, cut, store = rescue
         world = build_world(self.opts.rendezvous, gen.index, gen.members, self.me,
                             name="rescue", store=store)
-        trainer = self._trainer(gen, world, initialise=False)
-        self._rebuild(cut, gen, world, trainer)
-        path = checkpoint.save(trainer, self.opts.checkpoint_root, cut.step,
-                               trainer.layout.describe())
+        # The copies are saved as they are, in the cut's layout: no trainer of the survivors'
+        # layout beside them (memory a small job's survivors may not have), and a checkpoint
+        # loads into any layout. Each survivor writes its own copy and those it keeps for the
+        # lost; a name two of them hold (replicas) is written once.
+        own, kept = self.snapshots.held(cut, self.me)
+        config = model_config(self.spec)
+        shapes = state_shapes(config)
+        state = {name: view.view(shapes[name]) for copy in (own or {}, *kept.values())
+                 for name, view in copy.items()}
+        path = checkpoint.save_state(state, world, self.opts.checkpoint_root, cut.step,
+                                     cut.layout.describe(), len(global_parameter_names(config)))
         log.warning("%s: the leader is lost; the peer snapshots of step %d are saved in %s, "
                     "for the job's restart", self.me, cut.step, path)
 
