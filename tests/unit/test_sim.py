@@ -121,13 +121,14 @@ _traces = st.lists(
 
 @settings(max_examples=100, deadline=None)
 @given(_traces, st.sampled_from(["greedy", "flextrain", "tidal"]), st.integers(2, 5),
-       st.sampled_from(["pp", "dp-pp"]))
-def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, elastic):
+       st.sampled_from(["pp", "dp-pp"]), st.sampled_from([1.0, 0.0]))
+def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, elastic, scale):
     jobs = [job(i, s, d, g, "small" if e and g % GPUS_PER_NODE == 0 else None)
             for i, (s, d, g, e) in enumerate(trace)]
     jobs.sort(key=lambda j: (j.submit, j.job_id))
-    sim = Simulation(jobs, SimConfig(policy=policy, nodes=nodes, elastic=elastic,
-                                     tick_seconds=300))
+    config = SimConfig(policy=policy, nodes=nodes, elastic=elastic, tick_seconds=300,
+                       pause_scale=scale)  # 0: free switches, drains at the same instant
+    sim = Simulation(jobs, config)
 
     def check(s: Simulation) -> None:
         assert all(0 <= f <= GPUS_PER_NODE for f in s.free.values())
@@ -143,8 +144,7 @@ def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, 
     first = sim.run()
     assert all(j.end is not None and j.end >= j.trace.submit for j in sim.jobs)
     assert not sim.running and not sim.queue
-    assert simulate(jobs, SimConfig(policy=policy, nodes=nodes, elastic=elastic,
-                                    tick_seconds=300)) == first
+    assert simulate(jobs, config) == first
 
 
 def test_sim_command_writes_the_report(tmp_path):
