@@ -412,9 +412,8 @@ class Simulation:
         jobs = [j for j in self.jobs if j.trace.size]
         if not jobs:
             return 1.0
-        tables = load_tables(self.config)
         at_cap = [j.start - j.trace.submit + j.trace.duration / job_table(
-            tables[j.trace.size], j.trace.gpus // GPUS_PER_NODE).rows[-1].speedup
+            self.tables[j.trace.size], j.trace.gpus // GPUS_PER_NODE).rows[-1].speedup
             for j in jobs]
         return fmean(self.jct_seconds()) / fmean(at_cap)
 
