@@ -193,3 +193,15 @@ def test_sim_command_refuses_bad_traces_in_one_line(tmp_path):
         result = CliRunner().invoke(sim, ["--trace", str(trace), *extra])
         assert result.exit_code == 1, (text, result.output)
         assert message in result.output and "Traceback" not in result.output, result.output
+
+
+def test_sim_command_warns_when_no_job_is_elastic(tmp_path):
+    from click.testing import CliRunner
+
+    from tidal_operator.sim.cli import sim
+
+    trace = tmp_path / "small.csv"
+    trace.write_text("job_id,submission_time,duration,num_gpu\na,0,100,1\nb,10,100,2\n")
+    result = CliRunner().invoke(sim, ["--trace", str(trace)])
+    assert result.exit_code == 0, result.output
+    assert "no job of small.csv is elastic" in " ".join(result.stderr.split())

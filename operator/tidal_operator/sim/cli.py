@@ -56,9 +56,13 @@ def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
         raise click.ClickException(f"{trace_path} has no job with GPUs and a duration")
     nodes = nodes or default_nodes(jobs, load=load)
     names = list(dict.fromkeys(("static", *policies)))
+    console = console or Console(stderr=True)
+    if not any(j.size for j in jobs):
+        console.print(f"[yellow]warning:[/] no job of {trace_path.name} is elastic (only jobs "
+                      f"of whole 8-GPU nodes qualify, up to --share {share:g} of the GPU-hours): "
+                      f"every policy runs as static does")
     with Progress(TextColumn("{task.description:>24}"), BarColumn(), TaskProgressColumn(),
-                  TimeElapsedColumn(), console=console or Console(stderr=True),
-                  transient=True) as progress:
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
         bars = {n: progress.add_task(f"{trace_path.stem} {n} ({elastic})", total=1.0)
                 for n in names}
         try:
