@@ -9,7 +9,8 @@ without binding a pod twice or losing a pod's start time.
   the first node, by name, whose allocatable GPUs fit its request beside the unfinished pods
   already bound there, in the kube-scheduler's order (higher priority first, then oldest);
   a pod that fits nowhere gets ``PodScheduled=False``, reason ``Unschedulable``, as the
-  operator watches for. ``spec.nodeSelector`` is honoured; taints and other resources are not.
+  operator watches for. ``spec.nodeSelector`` and NoSchedule/NoExecute taints (against the
+  pod's tolerations) are honoured; other resources and affinity are not.
 - :class:`Kubelet` marks bound pods Running (with a start time and ready containers), a pod
   annotated ``tidal.dev/duration-seconds`` Succeeded once it has run that long (so a
   non-elastic job holds its GPUs for its duration and then frees them), and removes deleted
@@ -33,6 +34,8 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import aiohttp
+
+from tidal_operator.snapshot import Placement, node_of
 
 Obj = dict[str, Any]
 
@@ -201,18 +204,20 @@ class Scheduler:
                    and p.get("status", {}).get("phase", "Pending") == "Pending"
                    and not p["metadata"].get("deletionTimestamp")]
         pending.sort(key=_queue_order)
+        views = [node_of(n["metadata"]["name"], 0, n["metadata"].get("labels"),
+                         (n.get("spec") or {}).get("taints")) for n in nodes]
         bound = []
         for pod in pending:
             wanted = gpu_request(pod, self.resource)
-            selector = (pod["spec"].get("nodeSelector") or {}).items()
-            matching = [n for n in nodes if selector <= (n["metadata"].get("labels") or {}).items()]
-            fits = [n["metadata"]["name"] for n in matching
-                    if free[n["metadata"]["name"]] >= wanted]
+            where = Placement.of(pod["spec"].get("nodeSelector"), pod["spec"].get("tolerations"))
+            selected = [v for v in views if where.node_selector <= v.labels]
+            matching = [v.name for v in selected if where.allows(v)]
+            fits = [name for name in matching if free[name] >= wanted]
             if fits and await self._bind(pod, fits[0]):
                 free[fits[0]] -= wanted
                 bound.append(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
             elif not fits:
-                await self._unschedulable(pod, len(nodes), len(matching))
+                await self._unschedulable(pod, len(nodes), len(selected), len(matching))
         return bound
 
     async def _bind(self, pod: Obj, node: str) -> bool:
@@ -223,11 +228,14 @@ class Scheduler:
         status, _ = await self.api.request("POST", path, binding, ok=(404, 409))
         return status < 400  # 404: deleted meanwhile; 409: bound meanwhile (by another scheduler)
 
-    async def _unschedulable(self, pod: Obj, nodes: int, matching: int) -> None:
-        """Say why, as the kube-scheduler does: ``0/2 nodes are available: 2 Insufficient ...``."""
+    async def _unschedulable(self, pod: Obj, nodes: int, selected: int, matching: int) -> None:
+        """Say why, as the kube-scheduler does: ``0/2 nodes are available: 2 Insufficient ...``
+        (``selected`` nodes match the pod's selector, ``matching`` of them tolerate it too)."""
         reasons = [f"{matching} Insufficient {self.resource}"] if matching else []
-        if nodes > matching:
-            reasons.append(f"{nodes - matching} node(s) didn't match Pod's node affinity/selector")
+        if selected > matching:
+            reasons.append(f"{selected - matching} node(s) had untolerated taint(s)")
+        if nodes > selected:
+            reasons.append(f"{nodes - selected} node(s) didn't match Pod's node affinity/selector")
         message = f"0/{nodes} nodes are available: {', '.join(reasons)}."
         condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                      "message": message, "lastProbeTime": None}

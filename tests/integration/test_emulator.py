@@ -30,7 +30,7 @@ from tests import tools
 from tidal_operator.emulator import (Emulator, human_duration, label_selector, merge_patch, serve,
                                      strategic_merge_patch, write_kubeconfig)
 from tidal_operator.localcluster import (DURATION_ANNOTATION, ClusterApi, Kubelet, Scheduler,
-                                         create_nodes, register_nodes, run)
+                                         create_nodes, node_manifests, register_nodes, run)
 
 ROOT = Path(__file__).resolve().parents[2]
 ETJ = "/apis/tidal.dev/v1alpha1/namespaces/default/elastictrainingjobs"
@@ -668,6 +668,23 @@ async def test_scheduler_takes_higher_priority_first(served, api):
         await api.create(PODS, gpu_pod("early", 4))
         await api.create(PODS, gpu_pod("urgent", 4, priorityClassName="high"))
         assert await Scheduler(cluster).step() == ["default/urgent"]
+
+
+@pytest.mark.asyncio
+async def test_scheduler_keeps_pods_off_nodes_whose_taints_they_do_not_tolerate(served, api):
+    (node,) = node_manifests(1, 4, prefix="reserved")
+    node["spec"] = {"taints": [{"key": "dedicated", "value": "inference", "effect": "NoSchedule"},
+                               {"key": "spot", "effect": "PreferNoSchedule"}]}  # a preference
+    async with ClusterApi(served.url) as cluster:
+        await cluster.request("POST", "/api/v1/nodes", node)
+        await api.create(PODS, gpu_pod("plain", 1))
+        await api.create(PODS, gpu_pod("tolerant", 1, tolerations=[
+            {"key": "dedicated", "operator": "Equal", "value": "inference",
+             "effect": "NoSchedule"}]))
+        assert await Scheduler(cluster).step() == ["default/tolerant"]
+        plain = {c["type"]: c for c in (await api.get(f"{PODS}/plain"))["status"]["conditions"]}
+        assert plain["PodScheduled"]["message"] == (
+            "0/1 nodes are available: 1 node(s) had untolerated taint(s).")
 
 
 def test_local_cluster_runs_beside_a_threaded_emulator(emulator):

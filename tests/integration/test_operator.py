@@ -245,10 +245,14 @@ def test_the_operator_scales_a_job_up_into_idle_gpus_and_down_for_a_pending_pod(
     assert reasons.count("ScaleUp") == 1 and reasons.count("ScaleDown") == 1
 
     leader.publish(step=12)  # the agent's report; the next round sees the pod bound too
-    metrics = wait_for("metrics of the round after", lambda: (m := operator.metrics())["tidal_idle_gpus"] == 0 and m)
+    # A round sees the pods and the job as their watches have delivered them: the released pods
+    # (Succeeded before the agent's report, as apply() does it) may be gone and the batch pod
+    # bound a round before the report of 2 members arrives. Wait for a round that has both.
+    workers = "tidal_job_workers[('job', 'tiny'), ('namespace', 'default')]"
+    metrics = wait_for("metrics of the round after", lambda: (m := operator.metrics())[
+        "tidal_idle_gpus"] == 0 and m[workers] == 2 and m, seen=operator.metrics)
     assert metrics["tidal_decisions_total[('kind', 'scale_down')]"] == 1  # since the restart
     assert metrics["tidal_decisions_total[('kind', 'scale_up')]"] == 0
-    assert metrics["tidal_job_workers[('job', 'tiny'), ('namespace', 'default')]"] == 2
     assert metrics["tidal_gpus"] == 4 and metrics["tidal_pending_gpu_pods"] == 0
     assert metrics["tidal_decision_seconds_count"] > 0
     assert metrics["tidal_arrival_rate_per_hour"] == pytest.approx(3600 / 28800)  # one arrival in 8 h
