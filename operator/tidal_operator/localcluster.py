@@ -204,6 +204,7 @@ class Scheduler:
                    and p.get("status", {}).get("phase", "Pending") == "Pending"
                    and not p["metadata"].get("deletionTimestamp")]
         pending.sort(key=_queue_order)
+        # Labels and taints, as the operator's Placement reads them (GPUs are in ``free``).
         views = [node_of(n["metadata"]["name"], 0, n["metadata"].get("labels"),
                          (n.get("spec") or {}).get("taints")) for n in nodes]
         bound = []
