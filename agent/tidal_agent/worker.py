@@ -242,7 +242,8 @@ class _Worker:
         if opts.rendezvous.backend == "nccl":
             self.device = torch.device("cuda", int(me.rsplit("-", 1)[1]) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        self.metas = state_metadata(model_config(spec))
+        self.config = model_config(spec)
+        self.metas = state_metadata(self.config)
         self.snapshots = PeerSnapshots(self.metas, self.device) if opts.peer_snapshots else None
         self._last_step_end: float | None = None
         self._gen: Generation | None = None  # where training is: for the fault path
@@ -378,12 +379,12 @@ class _Worker:
         # loads into any layout. Each survivor writes its own copy and those it keeps for the
         # lost; a name two of them hold (replicas) is written once.
         own, kept = self.snapshots.held(cut, self.me)
-        config = model_config(self.spec)
-        shapes = state_shapes(config)
+        shapes = state_shapes(self.config)
         state = {name: view.view(shapes[name]) for copy in (own or {}, *kept.values())
                  for name, view in copy.items()}
         path = checkpoint.save_state(state, world, self.opts.checkpoint_root, cut.step,
-                                     cut.layout.describe(), len(global_parameter_names(config)))
+                                     cut.layout.describe(),
+                                     len(global_parameter_names(self.config)))
         log.warning("%s: the leader is lost; the peer snapshots of step %d are saved in %s, "
                     "for the job's restart", self.me, cut.step, path)
 

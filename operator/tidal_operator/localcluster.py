@@ -194,7 +194,11 @@ class Scheduler:
         nodes = sorted((n for n in await self.api.items("/api/v1/nodes") if _ready(n)),
                        key=lambda n: n["metadata"]["name"])
         pods = await self.api.items("/api/v1/pods")
-        free = {n["metadata"]["name"]: node_gpus(n, self.resource) for n in nodes}
+        # GPUs, labels and taints, as the operator's Placement reads them
+        views = [node_of(n["metadata"]["name"], node_gpus(n, self.resource),
+                         n["metadata"].get("labels"), (n.get("spec") or {}).get("taints"))
+                 for n in nodes]
+        free = {v.name: v.gpus for v in views}
         for pod in pods:
             node = pod["spec"].get("nodeName")
             if node in free and pod.get("status", {}).get("phase") not in FINISHED:
@@ -204,9 +208,6 @@ class Scheduler:
                    and p.get("status", {}).get("phase", "Pending") == "Pending"
                    and not p["metadata"].get("deletionTimestamp")]
         pending.sort(key=_queue_order)
-        # Labels and taints, as the operator's Placement reads them (GPUs are in ``free``).
-        views = [node_of(n["metadata"]["name"], 0, n["metadata"].get("labels"),
-                         (n.get("spec") or {}).get("taints")) for n in nodes]
         bound = []
         for pod in pending:
             wanted = gpu_request(pod, self.resource)
