@@ -13,8 +13,10 @@ Three parts, one per concern:
   the leader and the first ``spec.workers.min - 1`` other pods to register; any other pod
   waits in standby until a target names it. At every step boundary the leader compares the
   target's generation with the applied one and writes ``ctl/<step>``: ``null`` or the next
-  generation, which switches at the following step. Every member reads that key before the
-  step, so all switch at the same boundary; a joiner reads ``gen/<pod>``. A scale-up is
+  generation, which switches at the following step if it grows (its world is built while this
+  step trains) and at once if it shrinks (the pods it releases leave a step sooner). Every
+  member reads that key before the step, so all switch at the same boundary; a joiner reads
+  ``gen/<pod>``. A scale-up is
   announced once every pod it joins has registered. When a member is lost (the operator
   deleted it at a drain deadline, or its node went), the survivors agree through the store on
   a generation without it, which resumes from the peer snapshots of the step in flight or
@@ -307,7 +309,8 @@ class ControlledGenerations:
     ``reg/count`` and ``reg/<n>`` (pods in registration order), ``pod/<pod>`` (registered),
     ``gen/<pod>`` (the generation a pod starts in, the one before it, the number of
     recoveries so far and, for generation 0, the checkpoint it starts from),
-    ``ctl/<recoveries>/<step>`` (``null``, the generation that starts at ``step + 1``,
+    ``ctl/<recoveries>/<step>`` (``null``, the generation that starts at ``step + 1``, or
+    at ``step`` for a shrink,
     ``{"halt": step}`` when the leader is asked to stop, or ``{"fault": ...}`` once the
     leader is recovering), ``end`` (the step training ended at:
     standby pods leave), ``beat/<pod>`` (a counter each pod's heartbeat thread advances) and,
@@ -372,6 +375,10 @@ class ControlledGenerations:
         self.applied = -1  # the newest target generation acted on (the leader's)
         self._skipped: tuple[Target, str] | None = None  # the last target not applied, and why
         self.recoveries = 0  # fault paths taken, the same count on every member
+        # (recoveries, step) of the boundary a shrink was announced and switched at: the new
+        # generation asks there again, and its key (read by every member, maybe not yet) holds
+        # the shrink, so that boundary announces nothing more.
+        self._switched_at: tuple[int, int] | None = None
         self.lost: set[str] = set()  # members lost to faults (the leader's view)
         self._beating = threading.Event()
         if heartbeat is not None:  # its own connection: never queued behind a blocking get
@@ -488,6 +495,8 @@ class ControlledGenerations:
         from tidal_agent.worker import Halt
 
         key = f"ctl/{self.recoveries}/{step}"
+        if self._switched_at == (self.recoveries, step):
+            return None
         if self.me != self._leader:
             data = json.loads(self.store.get(key))
             if data is None:
@@ -498,6 +507,8 @@ class ControlledGenerations:
                 return Halt(data["halt"])
             following, layout = _gen_from(data)
             self._layouts[following.index] = layout
+            if following.at_step == step:
+                self._switched_at = (self.recoveries, step)
             return following
         if self.stop is not None and self.stop.is_set():  # the job cannot go on without me
             log.warning("asked to stop: the job halts at step %d", step)
@@ -515,6 +526,8 @@ class ControlledGenerations:
                         {**announced, "recoveries": self.recoveries, "run": self.run}))
             self.store.set(key, json.dumps(announced))
             self.current = following
+            if following.at_step == step:
+                self._switched_at = (self.recoveries, step)
             log.info("step %d: generation %d (%s) in %s from step %d", step, following.index,
                      list(following.members), layout.describe(), following.at_step)
         if step >= 2:  # everyone has read it: members read every key in turn
@@ -682,7 +695,9 @@ class ControlledGenerations:
             time.sleep(self.poll_s)
 
     def _decide(self, gen: Generation, step: int) -> Generation | None:
-        """The generation the target asks for, if it can start at the next step."""
+        """The generation the target asks for, if it can start: a scale-up at the next
+        boundary (its world is built while this step trains), a scale-down at this one, so
+        that the pods it releases leave a step sooner (a pending pod is waiting for them)."""
         target = self._target()
         if target is None or target.generation <= self.applied or step + 1 >= self.steps:
             return None
@@ -695,6 +710,8 @@ class ControlledGenerations:
                     self._report.acknowledged(target.generation)
                 return None
             joiners = [p for p in following.members if p not in gen.members]
+            if not joiners:  # a scale-down
+                following = replace(following, at_step=step)
             missing = [p for p in joiners if not self.store.check([f"pod/{p}"])]
             if missing:
                 self._skip(target, f"waiting for {missing} to register")

@@ -8,7 +8,10 @@ worker that fails.
 A switch to generation g+1 happens between two steps, at the same step on every member. The
 world of g+1 is built in a background thread while generation g trains; joiners wait in it
 (standby) until the old members arrive. State moves over the larger of the two worlds (the new
-one when growing, the old one when shrinking), then leavers exit and the others go on.
+one when growing, the old one when shrinking), then leavers exit and the others go on. A source
+may announce a shrink for the boundary it is announced at (the operator's does: a pending pod
+waits for the leavers' GPUs); its smaller world is then built during the pause, while the
+leavers hand their state over.
 
 Where generations come from is a ``GenerationSource``: a schedule known in advance
 (``StaticGenerations``, ``tidal run``) or the operator's targets, announced through the
@@ -102,7 +105,7 @@ class GenerationSource(Protocol):
 
     Every member of a generation calls ``following`` at each step boundary until it returns
     the next generation, with the same ``step`` on every member, so all of them learn of it at
-    the same boundary and switch at its ``at_step`` (a later boundary).
+    the same boundary and switch at its ``at_step`` (that boundary, or a later one).
     """
 
     @property

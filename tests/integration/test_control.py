@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -596,6 +597,11 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
         observer.stop()
         pods.stop()
     assert "released at step" in pods.log(w1)
+    # The leader announces a scale-up for the next boundary (its world is built while a step
+    # trains) and a scale-down for the boundary it is announced at: a step sooner.
+    announced = {int(g): (int(at), int(start)) for at, g, start in re.findall(
+        r"step (\d+): generation (\d+) \(.*\) in .* from step (\d+)", pods.log(w0))}
+    assert {g: start - at for g, (at, start) in announced.items()} == {1: 1, 2: 0}, announced
 
     # The status followed the generations, with the planner's layouts.
     applied = []
