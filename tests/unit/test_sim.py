@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -62,10 +63,33 @@ def test_arrival_makes_tidal_shrink_and_waits_for_the_drain():
     jobs = [job(0, 0, 100000, 8, "small"), job(1, 5000, 100, 8)]
     report = simulate(jobs, SimConfig(policy="tidal", nodes=2, jitter=0.0))
     assert report["scale_ups"] == 2 and report["scale_downs"] == 1  # grows back after
-    assert report["queue_mean_s"] == 2.0  # the released worker hands its state over first
+    # The released worker trains on to the job's next step boundary (at 2 workers, the small
+    # table's 4x row), then hands its state over (2 s).
+    small = load_tables(SimConfig(policy="tidal", nodes=1))["small"]
+    step = small.rows[0].step_seconds / small.rows[-1].speedup
+    assert 2.0 < report["queue_mean_s"] < 2.0 + step
     static = simulate(jobs, SimConfig(policy="static", nodes=2))
     assert static["queue_mean_s"] == 0.0
     assert report["elastic_jct_mean_s"] < static["elastic_jct_mean_s"]
+
+
+def test_a_switch_starts_at_a_step_boundary():
+    # The job starts at 0 and grows at once: tidal one step past its next boundary (the
+    # joiners' world is built while a step trains), a restart at its next boundary.
+    step = load_tables(SimConfig(policy="tidal", nodes=1))["small"].rows[0].step_seconds
+    for policy, (low, high) in {"tidal": (step, 2 * step), "greedy": (0.0, step)}.items():
+        sim = Simulation([job(0, 0, 100000, 8, "small")],
+                         SimConfig(policy=policy, nodes=2, jitter=0.0))
+        waits = []
+        sim.checks.append(lambda s: waits.append(s.jobs[0].switch_at - s.now) if s.now == 0
+                          else None)
+        sim.run()
+        assert sim.scale_ups >= 1 and low <= waits[0] < high, (policy, waits)
+        # It trained at the minimum until then, paused, then ran at the 4x row's speed.
+        speedup = load_tables(sim.config)["small"].rows[-1].speedup
+        pause = sim.switch_seconds
+        assert sim.jobs[0].end == pytest.approx(
+            waits[0] + pause + (100000 - waits[0]) / speedup, rel=1e-12)
 
 
 def test_free_switches_pause_nothing_and_drain_at_once():

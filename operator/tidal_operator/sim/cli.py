@@ -116,10 +116,12 @@ def print_table(report: dict, console: Console) -> None:
               help="8-GPU nodes [default: the trace's mean GPU demand at --load, and at least "
                    "4x the largest elastic job, FlexTrain's elastic range].")
 @click.option("--pause-scale", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="Multiply every switch's pause; 0 makes switches free, which shows how "
-                   "much of the result the switch cost takes (a diagnostic).")
+              help="Multiply every switch's pause and its wait for a step boundary; 0 makes "
+                   "switches free and immediate, which shows how much of the result the switch "
+                   "cost takes (a diagnostic).")
 @click.option("--seed", type=int, default=0, show_default=True,
-              help="Seeds the spread of switch pauses; the same seed gives the same report.")
+              help="Seeds the spread of switch pauses and waits; the same seed gives the same "
+                   "report.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the JSON report here.")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),

@@ -1,13 +1,15 @@
 """The event loop: one policy over one trace on a simulated clock, as a report dict.
 
-Nodes hold 8 GPUs. Every job asks for its GPUs at submission and waits in one FIFO queue;
-a job starts when its pods (8-GPU pods, and one for the remainder) all fit, best fit, and
-later jobs that fit start past a head that does not (backfill without reservation). A
-non-elastic job holds its GPUs for its duration. An elastic job starts at its minimum; its
-work is its duration at the minimum, done at its scale-table row's speedup; a switch stops
-its progress for the policy's overhead. Queued jobs show to ``decide`` as pending pods (an
-elastic job's with its label, and the job with no member yet, as the operator sees a new job),
-so the operator's own scale-down makes room for them.
+Nodes hold 8 GPUs. Every job asks for its GPUs at submission and waits in one FIFO queue; a job
+starts when its pods (8-GPU pods, and one for the remainder) all fit, best fit, and later jobs that
+fit start past a head that does not (backfill without reservation). A non-elastic job holds its
+GPUs for its duration. An elastic job starts at its minimum; its work is its duration at the
+minimum, done at its scale-table row's speedup; a switch stops its progress for the policy's
+overhead, from a step boundary: the job trains on at its old speed until then (a uniform fraction
+of a step, and for tidal's scale-up one step more), and released workers hold their GPUs until the
+drain after it ends. Queued jobs show to ``decide`` as pending pods (an elastic job's with its
+label, and the job with no member yet, as the operator sees a new job), so the operator's own
+scale-down makes room for them.
 
 At every arrival, completion, switch end and periodic tick, the elastic policies build a
 :class:`Snapshot` and apply ``tidal_operator.policy.decide`` unchanged:
@@ -57,7 +59,7 @@ class SimConfig:
     window_seconds: float = 28800.0
     seed: int = 0
     jitter: float = 0.25  # sigma of the lognormal spread of each switch's pause
-    pause_scale: float = 1.0  # multiplies every pause; 0: free switches (a diagnostic)
+    pause_scale: float = 1.0  # multiplies every pause and wait; 0: free, at once (a diagnostic)
     tables_dir: Path = _TABLES
 
     def __post_init__(self) -> None:
@@ -114,6 +116,9 @@ class _Job:
     work: float = 0.0  # seconds at the minimum left
     paused_until: float = 0.0
     next_pod: int = 0
+    step_s: float = 0.0  # seconds per step at the minimum: its table's first row
+    switch_at: float = 0.0  # the step boundary the newest switch starts at
+    before: int = 0  # the workers that train until then
     end_at: float | None = None  # the one live "end" event of an elastic job
     pending: tuple[Pod, ...] = ()  # its pods as decide sees them while it queues
 
@@ -215,9 +220,18 @@ class Simulation:
         if dt > 0:
             self.busy_gpu_seconds += dt * self.held
             for job in self.running.values():
-                if job.spec is not None and job.paused_until <= self.last:
-                    job.work -= dt * job.speed[job.spec.workers]
+                if job.spec is not None:
+                    job.work -= dt * self._rate(job)
         self.now = self.last = at
+
+    def _rate(self, job: _Job) -> float:
+        """An elastic job's progress (seconds at its minimum per second) from ``self.last`` to
+        the next event: events fall on every switch's start and end."""
+        if self.last < job.switch_at:
+            return job.speed[job.before]
+        if self.last < job.paused_until:
+            return 0.0
+        return job.speed[job.spec.workers]
 
     def _record(self) -> None:
         times, held = self.timeline
@@ -257,11 +271,21 @@ class Simulation:
         for job in self.running.values():
             if job.spec is None:
                 continue
-            start = max(self.now, job.paused_until)
-            at = start + max(job.work, 0.0) / job.speed[job.spec.workers]
+            at = self._end_time(job)
             if at != job.end_at:
                 job.end_at = at
                 self.push(at, "end", job.key)
+
+    def _end_time(self, job: _Job) -> float:
+        """When an elastic job's work runs out: at its old speed until its switch starts, if
+        it gets that far, else at its speed after the pause."""
+        work, t = max(job.work, 0.0), self.now
+        if t < job.switch_at:
+            before = (job.switch_at - t) * job.speed[job.before]
+            if work <= before:
+                return t + work / job.speed[job.before]
+            work -= before
+        return max(t, job.paused_until) + work / job.speed[job.spec.workers]
 
     # --- placement ----------------------------------------------------------------------
     def _place(self, sizes: list[int]) -> list[str] | None:
@@ -308,6 +332,8 @@ class Simulation:
         for w in range(m, table.max_workers + 1):
             job.speed[w] = max(r.speedup for r in table.rows if r.workers <= w)
         job.work = job.trace.duration
+        job.step_s = self.tables[job.trace.size].rows[0].step_seconds
+        job.before = m
         greedy = self.config.policy == "greedy"
         job.spec = ElasticJob(
             key=job.key, min_workers=m, max_workers=table.max_workers, workers=m,
@@ -344,6 +370,14 @@ class Simulation:
             spec = job.spec
             # The pause as measured: the base overhead, spread by a lognormal of the seed's.
             pause = self._base_pause(job) * self.rng.lognormvariate(0.0, self.config.jitter)
+            # It starts at a step boundary: the next one, where the agent (or a restart's
+            # save) acts on the decision, but a hot scale-up one step later, its joiners' world
+            # built while that step trains (tidal_agent.control). Until then the job trains on.
+            step = job.step_s / job.speed[spec.workers]
+            wait = self.rng.random() * step
+            if d.kind == "scale_up" and self.config.policy == "tidal":
+                wait += step
+            switch_at = self.now + self.config.pause_scale * wait
             releasing: tuple[str, ...] = ()
             if d.kind == "scale_up":
                 for node in d.nodes:
@@ -366,11 +400,13 @@ class Simulation:
                 # The released pods hold their GPUs until the drain ends (_released).
                 releasing = tuple(p.key for p in job.pods if p.key in release)
                 drain = pause if self.config.policy == "tidal" else RESTART_SAVE_FRACTION * pause
-                self.push(self.now + drain, "released", job.key)
+                self.push(switch_at + drain, "released", job.key)
                 self.scale_downs += 1
             members = tuple(p.key for p in job.pods if p.key not in releasing)
             assert len(members) == to, (d, members)
-            job.paused_until = self.now + pause
+            job.before, job.switch_at = spec.workers, switch_at
+            job.paused_until = switch_at + pause
+            self.push(switch_at, "switch", job.key)
             self.push(job.paused_until, "resume", job.key)
             self.switch_seconds += pause
             job.spec = replace(spec, workers=to, members=members, releasing=releasing,
