@@ -8,19 +8,18 @@ Three parts, one per concern:
   so an API error or a slow API server never stops training.
 - ``ControlledGenerations`` is the worker's generation source when membership comes from the
   operator. Pods agree through the job's rendezvous store (a TCPStore on the leader,
-  ``<job>-worker-0``): every pod registers; generation 0 is the pods that a generation-0
-  target joins (the operator writes one as it creates the job's first pods), or without one
-  the leader and the first ``spec.workers.min - 1`` other pods to register; any other pod
-  waits in standby until a target names it. At every step boundary the leader compares the
-  target's generation with the applied one and writes ``ctl/<step>``: ``null`` or the next
-  generation, which switches at the following step if it grows (its world is built while this
-  step trains) and at once if it shrinks (the pods it releases leave a step sooner). Every
-  member reads that key before the step, so all switch at the same boundary; a joiner reads
-  ``gen/<pod>``. A scale-up is
-  announced once every pod it joins has registered. When a member is lost (the operator
-  deleted it at a drain deadline, or its node went), the survivors agree through the store on
-  a generation without it, which resumes from the peer snapshots of the step in flight or
-  from the job's last complete checkpoint (``recover``).
+  ``<job>-worker-0``): every pod registers; generation 0 is the pods that a generation-0 target
+  joins (the operator writes one as it creates the job's first pods), or without one the leader
+  and the first ``spec.workers.min - 1`` other pods to register; any other pod waits in standby
+  until a target names it. At every step boundary the leader compares the target's generation
+  with the applied one and writes ``ctl/<step>``: ``null`` or the next generation, which
+  switches at the following step if it grows (its world is built while this step trains) and at
+  once if it shrinks (the pods it releases leave a step sooner). Every member reads that key
+  before the step, so all switch at the same boundary; a joiner reads ``gen/<pod>``. A scale-up
+  is announced once every pod it joins has registered. When a member is lost (the operator
+  deleted it at a drain deadline, or its node went), the survivors agree through the store on a
+  generation without it, which resumes from the peer snapshots of the step in flight or from the
+  job's last complete checkpoint (``recover``).
 - ``AgentReport`` turns the worker's events into status fields and Prometheus metrics
   (tidal_agent.metrics) on the leader and keeps the JSON report of a run (per-step losses,
   switches, the parameter digest).
