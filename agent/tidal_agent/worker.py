@@ -11,7 +11,9 @@ world of g+1 is built in a background thread while generation g trains; joiners 
 one when growing, the old one when shrinking), then leavers exit and the others go on. A source
 may announce a shrink for the boundary it is announced at (the operator's does: a pending pod
 waits for the leavers' GPUs); its smaller world is then built during the pause, while the
-leavers hand their state over.
+leavers hand their state over. With peer snapshots, a shrink whose leavers' keepers all stay
+lets the leavers go at the boundary, their state sent by their keepers from the copies they
+hold (as on the fault path).
 
 Where generations come from is a ``GenerationSource``: a schedule known in advance
 (``StaticGenerations``, ``tidal run``) or the operator's targets, announced through the
@@ -504,16 +506,31 @@ class _Worker:
                 builder: WorldBuilder | None, plan: ReshardPlan,
                 ) -> tuple[Trainer | None, World | None]:
         paused = time.perf_counter()
+        growing = len(new.members) > len(old.members)
+        cut = None if growing else self._kept_cut(old, new)
+        if cut is not None:
+            # Every leaver's state at this boundary is with a keeper that stays: the leavers go
+            # now, once every keeper holds its copy, and the keepers send in their place.
+            world.barrier()
+            if self.me not in new.members:
+                return None, None
         new_world = builder.result(self.opts.rendezvous.timeout_s) if builder else None
         world_s = time.perf_counter() - paused
-        growing = len(new.members) > len(old.members)
-        transition = new_world if growing else world
+        transition = world if cut is None and not growing else new_world
         rebuilt = time.perf_counter()
         new_trainer = self._trainer(new, new_world, initialise=False) if new_world else None
         rebuild_s = time.perf_counter() - rebuilt
         if new_trainer is not None:
             carry_over(plan, self.me, trainer, new_trainer)
-        stats = self._reshard(plan, transition, trainer, new_trainer)
+        if cut is None:
+            stats = self._reshard(plan, transition, trainer, new_trainer)
+        else:
+            _, held = self.snapshots.held(cut, self.me)
+            stats = execute_reshard(plan, world=transition, me=self.me,
+                                    old_state=trainer.state_tensors(),
+                                    new_state=new_trainer.state_tensors(),
+                                    bucket_bytes=self.opts.bucket_bytes, senders=cut.senders,
+                                    held=held)
         if self.leader:
             self.events.put(("reconfig", self.me, {
                 "at_step": new.at_step,
@@ -529,8 +546,23 @@ class _Worker:
                 "bytes_moved": plan.bytes_moved,
                 "bytes_min": plan.bytes_min,
                 "buckets": stats.buckets,
+                "released_at_once": cut is not None,
             }))
         return new_trainer, new_world
+
+    def _kept_cut(self, old: Generation, new: Generation) -> Cut | None:
+        """For a shrink, the peer snapshots of this boundary (taken in ``old``'s world) as a
+        cut whose leavers' state their keepers send, if every leaver's keeper stays; else None
+        (no snapshots, or two leavers next to each other in the ring): the leavers send."""
+        if self.snapshots is None:
+            return None
+        members = old.members
+        keeper = {m: members[(i + 1) % len(members)] for i, m in enumerate(members)}
+        leavers = [m for m in members if m not in new.members]
+        if any(keeper[m] not in new.members for m in leavers):
+            return None
+        return Cut(generation=old.index, members=members, layout=self.source.layout(old),
+                   step=self._step, senders={m: keeper[m] for m in leavers})
 
     def _reshard(self, plan: ReshardPlan, transition: World,
                  old_trainer: Trainer | None, new_trainer: Trainer | None) -> TransferStats:

@@ -626,6 +626,8 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
     assert [s["step"] for s in report["steps"]] == list(range(steps))
     switches = [c["at_step"] for c in report["reconfigurations"]]
     assert len(switches) == 2 and 5 <= switches[0] < switches[0] + 5 <= switches[1] < steps
+    # w1's peer snapshot is with its keeper w2, which stays: w1 left at the boundary.
+    assert [c["released_at_once"] for c in report["reconfigurations"]] == [False, True]
     assert pps == [2] * switches[0] + [3] * (switches[1] - switches[0]) + [2] * (steps - switches[1])
     _assert_bits_of_a_static_run(report, doc, steps)
 

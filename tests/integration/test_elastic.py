@@ -9,7 +9,7 @@ from tests.integration.test_cli import TINY, tidal
 pytestmark = pytest.mark.slow
 
 RECONFIG_KEYS = {"at_step", "from", "to", "pause_s", "world_s", "transfer_s", "rebuild_s",
-                 "bytes_moved", "bytes_min"}
+                 "bytes_moved", "bytes_min", "released_at_once"}
 
 
 def _report(tmp_path, name, *args):
@@ -74,3 +74,23 @@ def test_from_one_worker_to_one_per_unit_and_back(tmp_path):
     assert [s["loss_hex"] for s in elastic["steps"]] == [s["loss_hex"] for s in static["steps"]]
     assert elastic["params_sha256"] == static["params_sha256"]
     assert all(c["buckets"] > 1 for c in elastic["reconfigurations"])
+
+
+def test_with_peer_snapshots_leavers_go_at_once_where_their_keepers_stay(tmp_path):
+    # 3 -> 2 lets worker-2 go, whose copy its keeper worker-0 holds: it leaves at the boundary
+    # and worker-0 sends its state. 4 -> 2 lets worker-3 and worker-4 go, next to each other in
+    # the ring (worker-3's keeper leaves too): they send their state themselves.
+    import yaml
+
+    from tidal_agent.runner import elastic_plan, resolve_layout, run_elastic, run_local
+    from tidal_api import parse_job
+
+    job = parse_job(yaml.safe_load(TINY.read_text()))
+    gens, layouts = elastic_plan(job, [(0, 3), (4, 2), (8, 4), (12, 2)])
+    elastic = run_elastic(job, gens, layouts, steps=16, timeout_s=120, peer_snapshots=True)
+    static = run_local(job, resolve_layout(job, workers=2), steps=16, timeout_s=120)
+    changes = elastic["reconfigurations"]
+    assert [(c["workers"], c["released_at_once"]) for c in changes] == [
+        ([3, 2], True), ([2, 4], False), ([4, 2], False)]
+    assert [s["loss_hex"] for s in elastic["steps"]] == [s["loss_hex"] for s in static["steps"]]
+    assert elastic["params_sha256"] == static["params_sha256"]
