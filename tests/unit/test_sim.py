@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tidal_operator.sim import SimConfig, TraceJob, default_nodes, mark_elastic, simulate
 from tidal_operator.sim.engine import (
-    GPUS_PER_NODE, Simulation, compare, job_table, load_tables,
+    GPUS_PER_NODE, Simulation, compare, job_table, keepers_stay, load_tables,
 )
 
 
@@ -64,10 +64,11 @@ def test_arrival_makes_tidal_shrink_and_waits_for_the_drain():
     report = simulate(jobs, SimConfig(policy="tidal", nodes=2, jitter=0.0))
     assert report["scale_ups"] == 2 and report["scale_downs"] == 1  # grows back after
     # The released worker trains on to the job's next step boundary (at 2 workers, the small
-    # table's 4x row), then hands its state over (2 s).
+    # table's 4x row) and leaves there: its keeper, the first worker, holds its state.
     small = load_tables(SimConfig(policy="tidal", nodes=1))["small"]
     step = small.rows[0].step_seconds / small.rows[-1].speedup
-    assert 2.0 < report["queue_mean_s"] < 2.0 + step
+    assert report["released_at_once"] == 1
+    assert 0.0 < report["queue_mean_s"] < step
     static = simulate(jobs, SimConfig(policy="static", nodes=2))
     assert static["queue_mean_s"] == 0.0
     assert report["elastic_jct_mean_s"] < static["elastic_jct_mean_s"]
@@ -90,6 +91,22 @@ def test_a_switch_starts_at_a_step_boundary():
         pause = sim.switch_seconds
         assert sim.jobs[0].end == pytest.approx(
             waits[0] + pause + (100000 - waits[0]) / speedup, rel=1e-12)
+
+
+def test_leavers_go_at_once_only_where_their_keepers_stay():
+    members = ("a", "b", "c", "d")  # each keeps the copy of the one before it in the ring
+    assert keepers_stay(members, ("d",)) and keepers_stay(members, ("b", "d"))
+    assert not keepers_stay(members, ("c", "d"))  # c's keeper d leaves too
+    # A 32-GPU job grown to 7 of 8 nodes gives back 2 workers, next to each other in its
+    # ring, for a 24-GPU job: they hand their state over first (2 s of drain after the boundary).
+    jobs = [job(0, 0, 100000, 32, "small"), job(1, 5000, 100, 24)]
+    sim = Simulation(jobs, SimConfig(policy="tidal", nodes=8, jitter=0.0))
+    releases = []
+    sim.checks.append(lambda s: releases.append(s.jobs[0].spec.releasing)
+                      if s.jobs[0].spec is not None and s.jobs[0].spec.releasing else None)
+    report = sim.run()
+    assert report["scale_downs"] == 1 and report["released_at_once"] == 0
+    assert len(releases[0]) == 2 and report["queue_mean_s"] > 2.0
 
 
 def test_free_switches_pause_nothing_and_drain_at_once():

@@ -1,13 +1,14 @@
 """The event loop: one policy over one trace on a simulated clock, as a report dict.
 
 Nodes hold 8 GPUs. Every job asks for its GPUs at submission and waits in one FIFO queue; a job
-starts when its pods (8-GPU pods, and one for the remainder) all fit, best fit, and later jobs that
-fit start past a head that does not (backfill without reservation). A non-elastic job holds its
-GPUs for its duration. An elastic job starts at its minimum; its work is its duration at the
+starts when its pods (8-GPU pods, and one for the remainder) all fit, best fit, and later jobs
+that fit start past a head that does not (backfill without reservation). A non-elastic job holds
+its GPUs for its duration. An elastic job starts at its minimum; its work is its duration at the
 minimum, done at its scale-table row's speedup; a switch stops its progress for the policy's
-overhead, from a step boundary: the job trains on at its old speed until then (a uniform fraction
-of a step, and for tidal's scale-up one step more), and released workers hold their GPUs until the
-drain after it ends. Queued jobs show to ``decide`` as pending pods (an elastic job's with its
+overhead, from a step boundary: the job trains on at its old speed until then (a uniform
+fraction of a step, and for tidal's scale-up one step more), and released workers hold their
+GPUs until the drain after it ends (none for a hot switch whose leavers' keepers all stay:
+``keepers_stay``). Queued jobs show to ``decide`` as pending pods (an elastic job's with its
 label, and the job with no member yet, as the operator sees a new job), so the operator's own
 scale-down makes room for them.
 
@@ -164,6 +165,7 @@ class Simulation:
         self.timeline: tuple[list[float], list[int]] = ([], [])  # (time, GPUs held) on change
         self.finished = 0
         self.scale_ups = self.scale_downs = 0
+        self.released_at_once = 0  # tidal's scale-downs whose leavers left at the boundary
         self.switch_seconds = 0.0
         self.checks: list = []  # callables(sim) run after every step (tests)
 
@@ -399,7 +401,13 @@ class Simulation:
                         release.add(pod.key)
                 # The released pods hold their GPUs until the drain ends (_released).
                 releasing = tuple(p.key for p in job.pods if p.key in release)
-                drain = pause if self.config.policy == "tidal" else RESTART_SAVE_FRACTION * pause
+                if self.config.policy != "tidal":
+                    drain = RESTART_SAVE_FRACTION * pause  # the checkpoint's save
+                elif keepers_stay(spec.members, releasing):
+                    drain = 0.0  # the leavers go at the boundary: their keepers hold their state
+                    self.released_at_once += 1
+                else:
+                    drain = pause  # the leavers hand their state over first
                 self.push(switch_at + drain, "released", job.key)
                 self.scale_downs += 1
             members = tuple(p.key for p in job.pods if p.key not in releasing)
@@ -433,6 +441,7 @@ class Simulation:
             "queue_p99_s": _quantile(queue, 0.99),
             "gpu_utilisation": self.busy_gpu_seconds / (makespan * self.capacity),
             "scale_ups": self.scale_ups, "scale_downs": self.scale_downs,
+            "released_at_once": self.released_at_once,
             "switch_seconds": self.switch_seconds, "makespan_s": makespan,
         }
 
@@ -456,6 +465,15 @@ class Simulation:
     def queue_seconds(self) -> list[float]:
         """Non-elastic jobs' queue times (start less submission), sorted."""
         return sorted(j.start - j.trace.submit for j in self.jobs if not j.trace.size)
+
+
+def keepers_stay(members: tuple[str, ...], releasing: tuple[str, ...]) -> bool:
+    """Whether every member ``releasing`` lets go has a keeper that stays: the next member in
+    the ring, which holds its peer snapshot (tidal_agent.snapshot). The agent then lets the
+    leavers go at the switch's boundary and the keepers send their state."""
+    gone = set(releasing)
+    return not any(members[(i + 1) % len(members)] in gone
+                   for i, member in enumerate(members) if member in gone)
 
 
 def _quantile(values: list[float], q: float) -> float:
