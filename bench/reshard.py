@@ -11,8 +11,16 @@ For a 2 -> 3 worker change of a model with AdamW state, in alternating rounds:
   processes' exit is not counted, in the restart's favour;
 - raw: one gloo send of ``bytes_min`` bytes between two processes, the transport's floor.
 
-Prints JSON with the medians, ``ratio`` (restart / hot) and ``transfer_bound_ratio``
-(hot / raw).
+And how soon a shrink frees a leaver's GPUs: 3 -> 2 workers after the first step, worker-2
+let go. ``release_s`` is the time from the end of its last step to the moment it is free to
+exit. Without peer snapshots (``leavers_send``, the baseline) it sends its state first. With
+them (``at_once``) its keeper, worker-0, holds its state, so it goes at the boundary and
+worker-0 sends its state; but every boundary first swaps the snapshots (``snapshot_s``, part
+of ``release_s``). Alternating rounds as above.
+
+Prints JSON with the medians, ``ratio`` (restart / hot), ``transfer_bound_ratio``
+(hot / raw) and ``release_ratio`` (leavers_send / at_once release: below 1 where the swap
+costs more than the leaver's transfer).
 
     python bench/reshard.py [--rounds 2]
 """
@@ -72,6 +80,31 @@ def checkpoint_restart() -> dict:
             "total_s": saved["seconds"] + second["startup_s"]}
 
 
+def shrink(snapshots: bool) -> dict:
+    """3 -> 2 workers after the first step: the switch's timings and worker-2's release_s."""
+    job = _job()
+    gens, layouts = elastic_plan(job, [(0, 3), (1, 2)])
+    report = run_elastic(job, gens, layouts, steps=2, timeout_s=600, peer_snapshots=snapshots)
+    (change,), (release,) = report["reconfigurations"], report["releases"]
+    if change["released_at_once"] != snapshots:
+        raise RuntimeError(f"expected released_at_once={snapshots}: {change}")
+    return {**change, "release_s": release["release_s"], "snapshot_s": release["snapshot_s"]}
+
+
+def _alternate(rounds: int, runs: dict[str, tuple], figure: str) -> dict[str, list[dict]]:
+    """Each run of ``runs`` (name -> (function, args)) once a round, the order reversed every
+    other round; prints ``figure`` of each."""
+    out: dict[str, list[dict]] = {name: [] for name in runs}
+    for round_ in range(rounds):
+        order = list(runs.items())
+        for name, (fn, args) in order if round_ % 2 == 0 else reversed(order):
+            out[name].append(fn(*args))
+            result = out[name][-1]
+            print(f"round {round_}: {name} {result.get(figure, result.get('total_s')):.3f} s",
+                  file=sys.stderr, flush=True)
+    return out
+
+
 def _raw_peer(rank: int, port: int, nbytes: int, repeats: int, out) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
@@ -112,13 +145,14 @@ def main() -> None:
         MODEL.update(layers=4, dModel=32, vocab=64, seqLen=16)
     params = sum(shape.numel() for _, shape, _ in global_parameters(model_config(_job().spec)))
     print(f"model: {params / 1e6:.1f}M parameters (+ AdamW moments)", file=sys.stderr)
-    hot, restart = [], []
-    for round_ in range(args.rounds):
-        order = (("hot", hot_switch, hot), ("restart", checkpoint_restart, restart))
-        for name, fn, sink in order if round_ % 2 == 0 else reversed(order):
-            sink.append(fn())
-            figure = sink[-1].get("pause_s", sink[-1].get("total_s"))
-            print(f"round {round_}: {name} {figure:.3f} s", file=sys.stderr, flush=True)
+    switches = _alternate(args.rounds, {"hot": (hot_switch, ()),
+                                        "restart": (checkpoint_restart, ())}, "pause_s")
+    hot, restart = switches["hot"], switches["restart"]
+    shrinks = _alternate(args.rounds, {"at_once": (shrink, (True,)),
+                                       "leavers_send": (shrink, (False,))}, "release_s")
+    release = {name: {k: statistics.median(r[k] for r in runs)
+                      for k in ("release_s", "snapshot_s", "pause_s", "transfer_s")}
+               for name, runs in shrinks.items()}
     bytes_min = hot[0]["bytes_min"]
     raw = raw_send(bytes_min)
     hot_s = statistics.median(h["pause_s"] for h in hot)
@@ -138,6 +172,9 @@ def main() -> None:
         "raw_send_s": raw,
         "ratio": restart_s / hot_s,
         "transfer_bound_ratio": hot_s / raw,
+        "release": {"change": "3 -> 2 workers", **release},
+        "release_ratio": (release["leavers_send"]["release_s"]
+                          / release["at_once"]["release_s"]),
     }
     print(json.dumps(report, indent=2))
 

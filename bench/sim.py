@@ -11,10 +11,12 @@ table's cap from its start (``Simulation.ceiling_speedup``). Prints JSON.
 
     python bench/sim.py [--traces DIR] [--out DIR] [--doc FILE] [--json FILE] [--seed 0]
                         [--load 0.8] [--share 0.3] [--cluster default|elasticflow]
-                        [--pause-scale 1]
+                        [--pause-scale 1] [--peer-snapshots]
 
 ``--load`` and ``--share`` change the defaults of ``tidal sim`` for a sensitivity run;
 ``--pause-scale 0`` makes every switch free, to show how much the switch cost takes.
+``--peer-snapshots`` lets tidal's scale-downs free their GPUs at the step boundary where the
+released workers' keepers stay, as the agent does with peer snapshots.
 ``--cluster elasticflow`` replaces the default cluster size by the one the traces' publishers
 simulated each trace on (ElasticFlow's artifact, ``scheduler/run_fig8b.sh``: 64 nodes of 8
 GPUs, 128 for cluster04/07/08/09, 32 for the others).
@@ -110,6 +112,8 @@ def main() -> None:
                         help="cluster size: tidal sim's default, or ElasticFlow's per trace")
     parser.add_argument("--pause-scale", type=float, default=1.0,
                         help="multiply every switch's pause (0: free switches)")
+    parser.add_argument("--peer-snapshots", action="store_true",
+                        help="tidal's jobs keep peer snapshots (see tidal sim --help)")
     args = parser.parse_args()
     traces = sorted(args.traces.glob("*.csv"))
     if not traces:
@@ -122,7 +126,8 @@ def main() -> None:
             nodes = elasticflow_nodes(trace) if args.cluster == "elasticflow" else None
             report, runs = run_trace(trace, elastic=elastic, seed=args.seed, load=args.load,
                                      share=args.share, nodes=nodes,
-                                     pause_scale=args.pause_scale, console=console)
+                                     pause_scale=args.pause_scale,
+                                     peer_snapshots=args.peer_snapshots, console=console)
             report["seconds"] = time.perf_counter() - started
             print_table(report, console)
             if args.out is not None:
@@ -148,6 +153,7 @@ def main() -> None:
     out = {
         "benchmark": "sim", "seed": args.seed, "load": args.load, "share": args.share,
         "cluster": args.cluster, "pause_scale": args.pause_scale,
+        "peer_snapshots": args.peer_snapshots,
         "traces": [t.name for t in traces],
         "targets": TARGETS, "summary": summary,
         "largest_trace": largest.name,

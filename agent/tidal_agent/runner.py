@@ -156,6 +156,7 @@ def run_elastic(
         "layout": layouts[-1].to_dict(),
         "steps": collected.steps,
         "reconfigurations": collected.reconfigurations,
+        "releases": collected.releases,  # per worker a shrink let go: at_step, release_s
         "params_sha256": params_sha256(collected.digests, num_params),
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
@@ -200,6 +201,7 @@ class _Collected:
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
+        self.releases: list[dict[str, Any]] = []
         self.checkpoints: list[dict[str, Any]] = []
         self.ready_at: float | None = None  # when the last worker reported ready
         self.profile: str | None = None  # where the leader wrote the online profile
@@ -232,6 +234,8 @@ def _collect(procs, events, on_step: StepCallback | None, timeout_s: float) -> _
                 on_step(payload)
         elif kind == "reconfig":
             out.reconfigurations.append(payload)
+        elif kind == "released":
+            out.releases.append({"worker": me, **payload})
         elif kind == "checkpoint":
             out.checkpoints.append(payload)
         elif kind == "profile":

@@ -2,8 +2,8 @@
 
 Events go back to the launcher on a queue: per-step results and reconfiguration timings from
 the leader (``worker-0``, rank 0 of every world), checkpoint paths, parameter digests from
-every final member, ``left`` from a worker released by a shrink, and an error line from a
-worker that fails.
+every final member, ``released`` (how long after its last step it was free to go) and ``left``
+from a worker released by a shrink, and an error line from a worker that fails.
 
 A switch to generation g+1 happens between two steps, at the same step on every member. The
 world of g+1 is built in a background thread while generation g trains; joiners wait in it
@@ -338,7 +338,7 @@ class _Worker:
             if following is not None and step == following.at_step:
                 trainer, world = self._switch(gen, following, trainer, world, builder, plan)
                 if trainer is None:
-                    self.events.put(("left", self.me, step))
+                    self._released(step)
                     return
                 gen, following = following, None
                 self._gen = gen
@@ -346,6 +346,18 @@ class _Worker:
             self._train_step(trainer, step)
             step += 1
         self.events.put(("done", self.me, trainer.parameter_digests()))
+
+    def _released(self, step: int) -> None:
+        """Let go by a shrink at ``step``: report how long after the end of its last step it was
+        free to go (its GPUs with it), then leave."""
+        ended = self._last_step_end
+        self.events.put(("released", self.me, {
+            "at_step": step,
+            "release_s": None if ended is None else time.perf_counter() - ended,
+            # of which the boundary's swap of peer snapshots took
+            "snapshot_s": self.snapshots.seconds if self.snapshots is not None else 0.0,
+        }))
+        self.events.put(("left", self.me, step))
 
     def _halt(self, trainer: Trainer, step: int) -> None:
         """Save the boundary the job halts at (every member calls it) and tell the launcher

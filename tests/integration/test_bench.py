@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
     ("script", "args", "keys"),
     [
         ("pipeline.py", ["--pp", "2", "--steps", "2", "--warmup", "1"], {"ratio", "runs"}),
-        ("reshard.py", ["--rounds", "1"], {"ratio", "transfer_bound_ratio", "bytes_min"}),
+        ("reshard.py", ["--rounds", "1"],
+         {"ratio", "transfer_bound_ratio", "bytes_min", "release_ratio"}),
     ],
 )
 def test_bench_runs(script, args, keys):

@@ -64,11 +64,16 @@ def test_arrival_makes_tidal_shrink_and_waits_for_the_drain():
     report = simulate(jobs, SimConfig(policy="tidal", nodes=2, jitter=0.0))
     assert report["scale_ups"] == 2 and report["scale_downs"] == 1  # grows back after
     # The released worker trains on to the job's next step boundary (at 2 workers, the small
-    # table's 4x row) and leaves there: its keeper, the first worker, holds its state.
+    # table's 4x row), then hands its state over (2 s).
     small = load_tables(SimConfig(policy="tidal", nodes=1))["small"]
     step = small.rows[0].step_seconds / small.rows[-1].speedup
-    assert report["released_at_once"] == 1
-    assert 0.0 < report["queue_mean_s"] < step
+    assert report["released_at_once"] == 0
+    assert 2.0 < report["queue_mean_s"] < 2.0 + step
+    # With peer snapshots its keeper, the first worker, holds its state: it leaves at the
+    # boundary.
+    snap = simulate(jobs, SimConfig(policy="tidal", nodes=2, jitter=0.0, peer_snapshots=True))
+    assert snap["released_at_once"] == 1
+    assert snap["queue_mean_s"] == report["queue_mean_s"] - 2.0
     static = simulate(jobs, SimConfig(policy="static", nodes=2))
     assert static["queue_mean_s"] == 0.0
     assert report["elastic_jct_mean_s"] < static["elastic_jct_mean_s"]
@@ -100,7 +105,7 @@ def test_leavers_go_at_once_only_where_their_keepers_stay():
     # A 32-GPU job grown to 7 of 8 nodes gives back 2 workers, next to each other in its
     # ring, for a 24-GPU job: they hand their state over first (2 s of drain after the boundary).
     jobs = [job(0, 0, 100000, 32, "small"), job(1, 5000, 100, 24)]
-    sim = Simulation(jobs, SimConfig(policy="tidal", nodes=8, jitter=0.0))
+    sim = Simulation(jobs, SimConfig(policy="tidal", nodes=8, jitter=0.0, peer_snapshots=True))
     releases = []
     sim.checks.append(lambda s: releases.append(s.jobs[0].spec.releasing)
                       if s.jobs[0].spec is not None and s.jobs[0].spec.releasing else None)
@@ -162,13 +167,15 @@ _traces = st.lists(
 
 @settings(max_examples=100, deadline=None)
 @given(_traces, st.sampled_from(["greedy", "flextrain", "tidal"]), st.integers(2, 5),
-       st.sampled_from(["pp", "dp-pp"]), st.sampled_from([1.0, 0.0]))
-def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, elastic, scale):
+       st.sampled_from(["pp", "dp-pp"]), st.sampled_from([1.0, 0.0]), st.booleans())
+def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, elastic, scale,
+                                                          snapshots):
     jobs = [job(i, s, d, g, "small" if e and g % GPUS_PER_NODE == 0 else None)
             for i, (s, d, g, e) in enumerate(trace)]
     jobs.sort(key=lambda j: (j.submit, j.job_id))
     config = SimConfig(policy=policy, nodes=nodes, elastic=elastic, tick_seconds=300,
-                       pause_scale=scale)  # 0: free switches, drains at the same instant
+                       pause_scale=scale,  # 0: free switches, drains at the same instant
+                       peer_snapshots=snapshots)
     sim = Simulation(jobs, config)
 
     def check(s: Simulation) -> None:

@@ -44,7 +44,7 @@ def elastic_rule(share: float) -> str:
 
 def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
               share: float = DEFAULT_SHARE, load: float = DEFAULT_LOAD, nodes: int | None = None,
-              seed: int = 0, pause_scale: float = 1.0,
+              seed: int = 0, pause_scale: float = 1.0, peer_snapshots: bool = False,
               console: Console | None = None) -> tuple[dict, dict[str, Outcome]]:
     """Simulate ``policies`` (and static) over one trace with a progress bar per policy;
     the JSON report and each policy's :class:`Outcome`."""
@@ -68,14 +68,14 @@ def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
         try:
             runs = compare(jobs, nodes, policies=policies, elastic=elastic, seed=seed,
                            progress=lambda n, f: progress.update(bars[n], completed=f),
-                           pause_scale=pause_scale)
+                           pause_scale=pause_scale, peer_snapshots=peer_snapshots)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
     report = {
         "trace": str(trace_path), "nodes": nodes, "gpus_per_node": GPUS_PER_NODE,
         "gpus": GPUS_PER_NODE * nodes,
         "elastic": elastic, "seed": seed, "share": share, "load": load,
-        "pause_scale": pause_scale,
+        "pause_scale": pause_scale, "peer_snapshots": peer_snapshots,
         "jobs": len(jobs), "elastic_jobs": sum(1 for j in jobs if j.size),
         "elastic_rule": elastic_rule(share),
         "ceiling_jct_speedup": runs["static"].ceiling_speedup,
@@ -119,6 +119,11 @@ def print_table(report: dict, console: Console) -> None:
               help="Multiply every switch's pause and its wait for a step boundary; 0 makes "
                    "switches free and immediate, which shows how much of the result the switch "
                    "cost takes (a diagnostic).")
+@click.option("--peer-snapshots/--no-peer-snapshots", default=False, show_default=True,
+              help="tidal's jobs keep peer snapshots, as the agent does by default, so a "
+                   "scale-down whose released workers' keepers stay frees their GPUs at the "
+                   "step boundary. Their per-step cost and memory are not modelled; at "
+                   "FlexTrain's sizes they would need host memory.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seeds the spread of switch pauses and waits; the same seed gives the same "
                    "report.")
@@ -126,11 +131,12 @@ def print_table(report: dict, console: Console) -> None:
               help="Write the JSON report here.")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write PNGs here: normalised JCT and queue time, queue-time CDF, GPUs.")
-def sim(trace_path, policies, elastic, share, load, nodes, pause_scale, seed, report_path,
-        plots_dir) -> None:
+def sim(trace_path, policies, elastic, share, load, nodes, pause_scale, peer_snapshots, seed,
+        report_path, plots_dir) -> None:
     """Simulate the scaling policies over a job trace on a simulated clock."""
     report, runs = run_trace(trace_path, policies=policies, elastic=elastic, share=share,
-                             load=load, nodes=nodes, seed=seed, pause_scale=pause_scale)
+                             load=load, nodes=nodes, seed=seed, pause_scale=pause_scale,
+                             peer_snapshots=peer_snapshots)
     # A pipe or file gets the whole table, not one squeezed into 80 columns.
     print_table(report, Console() if sys.stdout.isatty() else Console(width=160))
     if report_path is not None:

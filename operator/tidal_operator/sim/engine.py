@@ -7,10 +7,10 @@ its GPUs for its duration. An elastic job starts at its minimum; its work is its
 minimum, done at its scale-table row's speedup; a switch stops its progress for the policy's
 overhead, from a step boundary: the job trains on at its old speed until then (a uniform
 fraction of a step, and for tidal's scale-up one step more), and released workers hold their
-GPUs until the drain after it ends (none for a hot switch whose leavers' keepers all stay:
-``keepers_stay``). Queued jobs show to ``decide`` as pending pods (an elastic job's with its
-label, and the job with no member yet, as the operator sees a new job), so the operator's own
-scale-down makes room for them.
+GPUs until the drain after it ends (with peer snapshots, none for a hot switch whose leavers'
+keepers all stay: ``keepers_stay``). Queued jobs show to ``decide`` as pending pods (an elastic
+job's with its label, and the job with no member yet, as the operator sees a new job), so the
+operator's own scale-down makes room for them.
 
 At every arrival, completion, switch end and periodic tick, the elastic policies build a
 :class:`Snapshot` and apply ``tidal_operator.policy.decide`` unchanged:
@@ -61,6 +61,9 @@ class SimConfig:
     seed: int = 0
     jitter: float = 0.25  # sigma of the lognormal spread of each switch's pause
     pause_scale: float = 1.0  # multiplies every pause and wait; 0: free, at once (a diagnostic)
+    # tidal's jobs keep peer snapshots (their per-step cost is not modelled): a scale-down
+    # whose leavers' keepers stay frees their GPUs at the step boundary
+    peer_snapshots: bool = False
     tables_dir: Path = _TABLES
 
     def __post_init__(self) -> None:
@@ -403,7 +406,7 @@ class Simulation:
                 releasing = tuple(p.key for p in job.pods if p.key in release)
                 if self.config.policy != "tidal":
                     drain = RESTART_SAVE_FRACTION * pause  # the checkpoint's save
-                elif keepers_stay(spec.members, releasing):
+                elif self.config.peer_snapshots and keepers_stay(spec.members, releasing):
                     drain = 0.0  # the leavers go at the boundary: their keepers hold their state
                     self.released_at_once += 1
                 else:
@@ -501,19 +504,19 @@ class Outcome:
 
 def compare(jobs: list[TraceJob], nodes: int, policies=POLICIES, elastic: str = "pp",
             seed: int = 0, progress: Callable[[str, float], None] | None = None,
-            pause_scale: float = 1.0) -> dict[str, Outcome]:
+            pause_scale: float = 1.0, peer_snapshots: bool = False) -> dict[str, Outcome]:
     """``static`` and every policy over ``jobs``, static's figures the baseline of the ratios.
 
     ``jct_speedup`` is static's mean elastic JCT over the policy's; ``queue_ratio`` is the
     policy's mean non-elastic queue time over static's (None where static's is 0 and the
     policy's is not: no finite ratio). ``progress(policy, fraction)`` follows each run;
-    ``pause_scale`` multiplies every switch's pause.
+    ``pause_scale`` multiplies every switch's pause; ``peer_snapshots``: see :class:`SimConfig`.
     """
     first = min((j.submit for j in jobs), default=0.0)
     out: dict[str, Outcome] = {}
     for name in dict.fromkeys(("static", *policies)):
         config = SimConfig(policy=name, nodes=nodes, elastic=elastic, seed=seed,
-                           pause_scale=pause_scale)
+                           pause_scale=pause_scale, peer_snapshots=peer_snapshots)
         hook = None if progress is None else (lambda f, name=name: progress(name, f))
         sim = Simulation(jobs, config, progress=hook)
         report = sim.run()
