@@ -156,7 +156,8 @@ def run_elastic(
         "layout": layouts[-1].to_dict(),
         "steps": collected.steps,
         "reconfigurations": collected.reconfigurations,
-        "releases": collected.releases,  # per worker a shrink let go: at_step, release_s
+        # per worker a shrink let go: at_step, release_s and the snapshot swap's part of it
+        "releases": collected.releases,
         "params_sha256": params_sha256(collected.digests, num_params),
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
