@@ -506,9 +506,7 @@ class ControlledGenerations:
                 return Halt(data["halt"])
             following, layout = _gen_from(data)
             self._layouts[following.index] = layout
-            if following.at_step == step:
-                self._switched_at = (self.recoveries, step)
-            return following
+            return self._switching(following, step)
         if self.stop is not None and self.stop.is_set():  # the job cannot go on without me
             log.warning("asked to stop: the job halts at step %d", step)
             self.store.set(key, json.dumps({"halt": step}))
@@ -524,13 +522,17 @@ class ControlledGenerations:
                     self.store.set(f"gen/{pod}", json.dumps(
                         {**announced, "recoveries": self.recoveries, "run": self.run}))
             self.store.set(key, json.dumps(announced))
-            self.current = following
-            if following.at_step == step:
-                self._switched_at = (self.recoveries, step)
+            self.current = self._switching(following, step)
             log.info("step %d: generation %d (%s) in %s from step %d", step, following.index,
                      list(following.members), layout.describe(), following.at_step)
         if step >= 2:  # everyone has read it: members read every key in turn
             self.store.delete_key(f"ctl/{self.recoveries}/{step - 2}")
+        return following
+
+    def _switching(self, following: Generation, step: int) -> Generation:
+        """``following``, announced at ``step``; remember the boundary if it switches there."""
+        if following.at_step == step:
+            self._switched_at = (self.recoveries, step)
         return following
 
     def end(self, step: int) -> None:

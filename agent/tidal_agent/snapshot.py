@@ -170,6 +170,11 @@ class PeerSnapshots:
         self.ward.clear()
 
 
+def keepers(members: Sequence[str]) -> dict[str, str]:
+    """Each member's keeper: the next member of the ring, which holds its copy (``take``)."""
+    return {m: members[(i + 1) % len(members)] for i, m in enumerate(members)}
+
+
 def state_index(metas: Sequence[TensorMeta], placement: Placement,
                 worker: str) -> dict[str, tuple[int, int]]:
     """The state tensors ``worker`` holds in ``placement``, in global order, as name ->

@@ -60,7 +60,7 @@ from tidal_agent import checkpoint
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile, calibrate_trainer, time_collectives
-from tidal_agent.snapshot import Cut, PeerSnapshots
+from tidal_agent.snapshot import Cut, PeerSnapshots, keepers
 from tidal_agent.switch import (TransferStats, carry_over, execute_reshard, incoming,
                                 state_metadata, state_shapes)
 from tidal_agent.trainer import Trainer, model_config
@@ -534,15 +534,7 @@ class _Worker:
         rebuild_s = time.perf_counter() - rebuilt
         if new_trainer is not None:
             carry_over(plan, self.me, trainer, new_trainer)
-        if cut is None:
-            stats = self._reshard(plan, transition, trainer, new_trainer)
-        else:
-            _, held = self.snapshots.held(cut, self.me)
-            stats = execute_reshard(plan, world=transition, me=self.me,
-                                    old_state=trainer.state_tensors(),
-                                    new_state=new_trainer.state_tensors(),
-                                    bucket_bytes=self.opts.bucket_bytes, senders=cut.senders,
-                                    held=held)
+        stats = self._reshard(plan, transition, trainer, new_trainer, cut)
         if self.leader:
             self.events.put(("reconfig", self.me, {
                 "at_step": new.at_step,
@@ -568,19 +560,22 @@ class _Worker:
         (no snapshots, or two leavers next to each other in the ring): the leavers send."""
         if self.snapshots is None:
             return None
-        members = old.members
-        keeper = {m: members[(i + 1) % len(members)] for i, m in enumerate(members)}
-        leavers = [m for m in members if m not in new.members]
+        keeper = keepers(old.members)
+        leavers = [m for m in old.members if m not in new.members]
         if any(keeper[m] not in new.members for m in leavers):
             return None
-        return Cut(generation=old.index, members=members, layout=self.source.layout(old),
+        return Cut(generation=old.index, members=old.members, layout=self.source.layout(old),
                    step=self._step, senders={m: keeper[m] for m in leavers})
 
-    def _reshard(self, plan: ReshardPlan, transition: World,
-                 old_trainer: Trainer | None, new_trainer: Trainer | None) -> TransferStats:
+    def _reshard(self, plan: ReshardPlan, transition: World, old_trainer: Trainer | None,
+                 new_trainer: Trainer | None, cut: Cut | None = None) -> TransferStats:
+        """Run ``plan`` on this worker; with ``cut``, its keepers send for its leavers from
+        the peer snapshots they hold."""
+        held = self.snapshots.held(cut, self.me)[1] if cut is not None else None
         return execute_reshard(
             plan, world=transition, me=self.me,
             old_state=old_trainer.state_tensors() if old_trainer else None,
             new_state=new_trainer.state_tensors() if new_trainer else None,
             bucket_bytes=self.opts.bucket_bytes,
+            senders=cut.senders if cut is not None else None, held=held,
         )

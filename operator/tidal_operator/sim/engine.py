@@ -472,8 +472,9 @@ class Simulation:
 
 def keepers_stay(members: tuple[str, ...], releasing: tuple[str, ...]) -> bool:
     """Whether every member ``releasing`` lets go has a keeper that stays: the next member in
-    the ring, which holds its peer snapshot (tidal_agent.snapshot). The agent then lets the
-    leavers go at the switch's boundary and the keepers send their state."""
+    the ring, which holds its peer snapshot (``tidal_agent.snapshot.keepers``, which the
+    operator cannot import). The agent then lets the leavers go at the switch's boundary and
+    the keepers send their state."""
     gone = set(releasing)
     return not any(members[(i + 1) % len(members)] in gone
                    for i, member in enumerate(members) if member in gone)
