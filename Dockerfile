@@ -27,6 +27,9 @@ WORKDIR /home/tidal
 FROM base AS builder
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The test and demo doubles (doubles/: the Kubernetes emulator, the one-machine cluster) stay
+# out: neither image contains them.
+COPY api/ api/
 COPY operator/ operator/
 COPY agent/ agent/
 RUN pip wheel --no-deps --wheel-dir /wheels .

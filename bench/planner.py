@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "agent"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
 
 from tidal_plan.costmodel import model_unit_costs  # noqa: E402
 from tidal_plan.devices import DEVICES  # noqa: E402

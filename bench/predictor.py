@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "agent"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
 
 import torch  # noqa: E402
 import yaml  # noqa: E402

@@ -36,14 +36,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "agent"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
 
 from rich.console import Console  # noqa: E402
 
-from tidal_operator.sim.cli import print_table, run_trace  # noqa: E402
-from tidal_operator.sim.engine import POLICIES  # noqa: E402
-from tidal_operator.sim.plots import write_plots  # noqa: E402
-from tidal_operator.sim.trace import DEFAULT_LOAD, DEFAULT_SHARE  # noqa: E402
+from tidal_sim.cli import print_table, run_trace  # noqa: E402
+from tidal_sim.engine import POLICIES  # noqa: E402
+from tidal_sim.plots import write_plots  # noqa: E402
+from tidal_sim.trace import DEFAULT_LOAD, DEFAULT_SHARE  # noqa: E402
 
 TARGETS = {"pp": 1.55, "dp-pp": 2.27}  # FlexTrain's geometric-mean elastic JCT speedups
 ELASTIC = ("pp", "dp-pp")

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "agent"), str(ROOT / "operator"), str(ROOT / "bench")]
+sys.path[:0] = [*(str(ROOT / root) for root in ("api", "agent", "operator", "doubles")), str(ROOT / "bench")]
 
 from reshard import _job  # noqa: E402  (the same model and job as the reshard benchmark)
 

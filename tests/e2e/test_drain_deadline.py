@@ -27,8 +27,8 @@ from lightkube.resources.core_v1 import Event, Pod
 from tidal_agent.control import ElasticTrainingJobResource as ETJ
 from tidal_agent.runner import resolve_layout, run_local
 from tidal_api import parse_job
-from tidal_operator.local.arrivals import batch_pod
-from tidal_operator.local.cluster import ClusterConfig, LocalCluster
+from tidal_local.arrivals import batch_pod
+from tidal_local.cluster import ClusterConfig, LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import pytest
 
 from tidal_api import ElasticTrainingJob, keys, parse_job
 from tidal_operator.builders import worker_pod
-from tidal_operator.local.arrivals import ArrivalConfig, Workload, batch_pod
-from tidal_operator.local.cluster import prerequisites
-from tidal_operator.local.processes import RUN_ENV, AgentProcesses
+from tidal_local.arrivals import ArrivalConfig, Workload, batch_pod
+from tidal_local.cluster import prerequisites
+from tidal_local.processes import RUN_ENV, AgentProcesses
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def test_trace_durations_are_scaled_and_clamped(tmp_path):
 
 
 def test_batch_pods_and_prerequisites_pass_the_emulators_admission():
-    from tidal_operator.emulator import EmulatorThread
+    from tidal_kube.emulator import EmulatorThread
 
     with EmulatorThread() as cluster:
         for obj in prerequisites("default"):
@@ -140,7 +140,7 @@ def test_worker_pods_run_as_processes_with_a_local_rendezvous(tmp_path):
 def test_the_live_view_shows_gpus_workers_layout_step_loss_and_decisions():
     from rich.console import Console
 
-    from tidal_operator.local.observe import ClusterView, EventView, JobView, render
+    from tidal_local.observe import ClusterView, EventView, JobView, render
 
     job = JobView(name="demo", namespace="default", phase="Running", workers=3, target_workers=3,
                   generation=2, target_generation=2, members=("demo-worker-0",), dp=1, pp=3,

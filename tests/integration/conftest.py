@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tidal_operator.emulator import EmulatorThread
+from tidal_kube.emulator import EmulatorThread
 
 
 @pytest.fixture
 def emulator(tmp_path):
-    """A running :class:`~tidal_operator.emulator.EmulatorThread`: ``.url``, ``.kubeconfig``
+    """A running :class:`~tidal_kube.emulator.EmulatorThread`: ``.url``, ``.kubeconfig``
     (a file for lightkube, kopf or kubectl), ``.emulator`` and ``.call(fn, *args)``. Fails the
     test if the emulator itself failed (an API error answered to a client is not a failure)."""
     with EmulatorThread(kubeconfig=tmp_path / "kubeconfig") as cluster:

@@ -35,8 +35,9 @@ from lightkube.types import PatchType
 from tests import tools
 from tests.integration.test_operator import ETJ, table, wait_for
 from tidal_api import keys, parse_job
-from tidal_operator import builders, localcluster
-from tidal_operator.emulator import EmulatorThread, parse_path, write_kubeconfig
+from tidal_kube import localcluster
+from tidal_operator import builders
+from tidal_kube.emulator import EmulatorThread, parse_path, write_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tidal"
@@ -259,7 +260,7 @@ def test_names_the_operator_relies_on_are_the_ones_installed():
 def test_the_local_cluster_creates_what_the_chart_installs_around_the_operator():
     """``tidal local`` stands in for ``helm install``: the same CRD, PriorityClasses and
     workers' ServiceAccount (the chart's labels aside)."""
-    from tidal_operator.local.cluster import prerequisites
+    from tidal_local.cluster import prerequisites
 
     def essence(obj: dict) -> dict:
         meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace")}

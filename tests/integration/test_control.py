@@ -34,7 +34,7 @@ from tidal_agent.worker import Halt
 from tidal_agent.control import ElasticTrainingJobResource as ETJ
 from tidal_api import Target, keys
 from tidal_plan.elastic import Generation
-from tidal_operator.emulator import load_manifests
+from tidal_kube.emulator import load_manifests
 from tidal_plan.layout import build_layout
 
 ROOT = Path(__file__).resolve().parents[2]

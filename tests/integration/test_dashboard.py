@@ -34,8 +34,8 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import Pod
 
 from tidal_api import keys
-from tidal_operator import localcluster
-from tidal_operator.emulator import EmulatorThread, load_manifests
+from tidal_kube import localcluster
+from tidal_kube.emulator import EmulatorThread, load_manifests
 
 pytestmark = pytest.mark.slow
 

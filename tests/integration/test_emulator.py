@@ -27,9 +27,9 @@ from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
 
 from tests import tools
-from tidal_operator.emulator import (Emulator, human_duration, label_selector, merge_patch, serve,
+from tidal_kube.emulator import (Emulator, human_duration, label_selector, merge_patch, serve,
                                      strategic_merge_patch, write_kubeconfig)
-from tidal_operator.localcluster import (DURATION_ANNOTATION, ClusterApi, Kubelet, Scheduler,
+from tidal_kube.localcluster import (DURATION_ANNOTATION, ClusterApi, Kubelet, Scheduler,
                                          create_nodes, node_manifests, register_nodes, run)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -589,8 +589,9 @@ def test_command_line_serves_until_sigterm(tmp_path):
     kubeconfig = tmp_path / "kubeconfig"
     crd = tmp_path / "crd.yaml"
     crd.write_text(yaml.safe_dump(CRD))
-    path = os.pathsep.join([str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "tidal_operator.emulator", "--port", "0",
+    path = os.pathsep.join([*(str(ROOT / root) for root in ("api", "operator", "doubles")),
+                       os.environ.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "tidal_kube.emulator", "--port", "0",
                "--kubeconfig", str(kubeconfig), "--apply", str(crd)]
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
                           env={**os.environ, "PYTHONPATH": path}) as server:

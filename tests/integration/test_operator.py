@@ -27,8 +27,8 @@ from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
 from tidal_api import ScaleRow, ScaleTable
-from tidal_operator import localcluster
-from tidal_operator.emulator import EmulatorThread, load_manifests
+from tidal_kube import localcluster
+from tidal_kube.emulator import EmulatorThread, load_manifests
 
 pytestmark = pytest.mark.slow
 

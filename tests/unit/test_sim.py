@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal_operator.sim import SimConfig, TraceJob, default_nodes, mark_elastic, simulate
-from tidal_operator.sim.engine import (
+from tidal_sim import SimConfig, TraceJob, default_nodes, mark_elastic, simulate
+from tidal_sim.engine import (
     GPUS_PER_NODE, Simulation, compare, job_table, keepers_stay, load_tables,
 )
 
@@ -200,7 +200,7 @@ def test_sim_command_writes_the_report(tmp_path):
 
     from click.testing import CliRunner
 
-    from tidal_operator.sim.cli import sim
+    from tidal_sim.cli import sim
 
     trace = tmp_path / "trace.csv"
     trace.write_text("job_id,submission_time,duration,num_gpu\n"
@@ -226,7 +226,7 @@ def test_sim_command_writes_the_report(tmp_path):
 def test_sim_command_refuses_bad_traces_in_one_line(tmp_path):
     from click.testing import CliRunner
 
-    from tidal_operator.sim.cli import sim
+    from tidal_sim.cli import sim
 
     cases = {
         "job_id,submission_time,num_gpu\na,0,8\n": "no column duration",
@@ -246,7 +246,7 @@ def test_sim_command_refuses_bad_traces_in_one_line(tmp_path):
 def test_sim_command_warns_when_no_job_is_elastic(tmp_path):
     from click.testing import CliRunner
 
-    from tidal_operator.sim.cli import sim
+    from tidal_sim.cli import sim
 
     trace = tmp_path / "small.csv"
     trace.write_text("job_id,submission_time,duration,num_gpu\na,0,100,1\nb,10,100,2\n")

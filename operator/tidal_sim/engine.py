@@ -39,14 +39,14 @@ from statistics import fmean
 from tidal_api import ScaleTable
 from tidal_api.scale import ScaleRow
 from tidal_operator.policy import decide
-from tidal_operator.sim.trace import GPUS_PER_NODE, TraceJob
+from tidal_sim.trace import GPUS_PER_NODE, TraceJob
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
 
 POLICIES = ("static", "greedy", "flextrain", "tidal")
 HOT_SWITCH_SECONDS = {"small": 2.0, "medium": 4.0, "large": 8.0}
 RESTART_SECONDS = {"small": 60.0, "medium": 120.0, "large": 240.0}
 RESTART_SAVE_FRACTION = 0.5  # a restart frees the GPUs it gives up once its checkpoint is saved
-_TABLES = Path(__file__).resolve().parents[3] / "examples" / "scale-tables"
+_TABLES = Path(__file__).resolve().parents[2] / "examples" / "scale-tables"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,11 +10,11 @@ pods as processes, the real operator and a generator of competing GPU jobs.
    ServiceAccount ``tidal-worker`` and the PriorityClasses
    ``tidal-elastic`` (workers yield) and ``tidal-default``;
 3. registers ``nodes`` Ready nodes with ``gpus_per_node`` GPUs each;
-4. runs the scheduler and kubelet of :mod:`tidal_operator.localcluster`, the kubelet with
-   :class:`~tidal_operator.local.processes.AgentProcesses` as its runtime: worker pods run
+4. runs the scheduler and kubelet of :mod:`tidal_kube.localcluster`, the kubelet with
+   :class:`~tidal_local.processes.AgentProcesses` as its runtime: worker pods run
    ``tidal agent``, other pods hold their GPUs for their ``tidal.dev/duration-seconds``;
 5. starts ``tidal-operator`` as a process (``--interval``, ``--metrics-port``);
-6. starts the :class:`~tidal_operator.local.arrivals.ArrivalGenerator`, if configured.
+6. starts the :class:`~tidal_local.arrivals.ArrivalGenerator`, if configured.
 
 ``stop()`` undoes it in reverse: the generator, the operator, every pod's process (SIGTERM,
 then SIGKILL), the scheduler and kubelet, the API. Every child process carries
@@ -36,11 +36,11 @@ from typing import Any
 
 from tidal_api import keys
 from tidal_api.crd import crd
-from tidal_operator import localcluster
+from tidal_kube import localcluster
 from tidal_operator.builders import WORKER_SERVICE_ACCOUNT
-from tidal_operator.emulator import EmulatorThread
-from tidal_operator.local.arrivals import ArrivalConfig, ArrivalGenerator
-from tidal_operator.local.processes import RUN_ENV, AgentProcesses, free_port, spawn, terminate
+from tidal_kube.emulator import EmulatorThread
+from tidal_local.arrivals import ArrivalConfig, ArrivalGenerator
+from tidal_local.processes import RUN_ENV, AgentProcesses, free_port, spawn, terminate
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@
 policy over it and returns a report dict. Nothing here imports torch, kopf or tidal_agent.
 """
 
-from tidal_operator.sim.engine import POLICIES, SimConfig, simulate
-from tidal_operator.sim.trace import TraceJob, default_nodes, load_trace, mark_elastic
+from tidal_sim.engine import POLICIES, SimConfig, simulate
+from tidal_sim.trace import TraceJob, default_nodes, load_trace, mark_elastic
 
 __all__ = ["POLICIES", "SimConfig", "TraceJob", "default_nodes", "load_trace", "mark_elastic",
            "simulate"]

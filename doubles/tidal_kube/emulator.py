@@ -22,7 +22,7 @@ real API server catches:
   background garbage collection of ``ownerReferences`` (an object whose owners are all gone,
   or never existed in its namespace, is deleted);
 - CustomResourceDefinitions register their resources, and custom resources are pruned,
-  defaulted and validated with the CRD's schema and CEL rules (:mod:`tidal_operator.structural`);
+  defaulted and validated with the CRD's schema and CEL rules (:mod:`tidal_kube.structural`);
 - admission as in a default cluster: names and labels are validated; namespaces must exist and
   get a ``default`` ServiceAccount; a pod needs its ServiceAccount and PriorityClass (and gets
   ``spec.priority`` from it), requests default to limits, extended resources (GPUs) need
@@ -39,7 +39,7 @@ the recorded requests), OpenAPI schemas and strict field validation (unknown fie
 resource are pruned, not refused), protobuf for other kinds (415), the core and events.k8s.io
 views of one Event (they are two separate stores), field management of server-side apply,
 conversion between versions of a custom resource (objects are shared, apiVersion rewritten),
-and the controllers of a cluster (see :mod:`tidal_operator.localcluster` for a scheduler and a
+and the controllers of a cluster (see :mod:`tidal_kube.localcluster` for a scheduler and a
 kubelet).
 """
 
@@ -79,7 +79,7 @@ import kmock
 import yaml
 from kmock._internal import parsing, rendering
 
-from tidal_operator import structural
+from tidal_kube import structural
 
 Obj = dict[str, Any]
 _Key = tuple[str, str, str | None, str]  # group, plural, namespace, name
@@ -1941,7 +1941,7 @@ async def _run_cli(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m tidal_operator.emulator",
+        prog="python -m tidal_kube.emulator",
         description="Serve an in-memory Kubernetes API; prints 'ready URL' once it listens.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")

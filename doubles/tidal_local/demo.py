@@ -31,11 +31,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from tidal_operator.local.arrivals import ArrivalConfig
-from tidal_operator.local.binaries import ensure_kubectl
-from tidal_operator.local.cluster import ClusterConfig, LocalCluster
-from tidal_operator.local.observe import DECISIONS, ClusterView, observe, render
-from tidal_operator.local.processes import spawn, terminate
+from tidal_local.arrivals import ArrivalConfig
+from tidal_local.binaries import ensure_kubectl
+from tidal_local.cluster import ClusterConfig, LocalCluster
+from tidal_local.observe import DECISIONS, ClusterView, observe, render
+from tidal_local.processes import spawn, terminate
 
 # The job's length is set from the minutes: a step of the demo job takes 0.12-0.25 s on a
 # 2-core machine (more workers than cores slow it down), and the agents need about half a
@@ -134,7 +134,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     else:
         report.update(bitwise_equal=False, params_equal=False,
                       bitwise_note="the job did not finish: no leader report to compare")
-    from tidal_operator.local.plot import write_plot
+    from tidal_local.plot import write_plot
 
     report["plot"] = str(write_plot(config.plot_path, timeline, name, report["decisions"]))
     if config.report is not None:

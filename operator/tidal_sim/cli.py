@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tidal_operator.sim.engine import POLICIES, Outcome, compare
-from tidal_operator.sim.trace import (
+from tidal_sim.engine import POLICIES, Outcome, compare
+from tidal_sim.trace import (
     DEFAULT_LOAD, DEFAULT_SHARE, GPUS_PER_NODE, default_nodes, load_trace, mark_elastic,
 )
 
@@ -144,6 +144,6 @@ def sim(trace_path, policies, elastic, share, load, nodes, pause_scale, peer_sna
         report_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     if plots_dir is not None:
         # matplotlib only here: the images leave it out, and --help must not need it
-        from tidal_operator.sim.plots import write_plots
+        from tidal_sim.plots import write_plots
 
         write_plots(runs, report["gpus"], plots_dir, f"{trace_path.stem} ({elastic})")

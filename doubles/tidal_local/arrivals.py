@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal_api import keys
-from tidal_operator.localcluster import (DURATION_ANNOTATION, FINISHED, GPU, ClusterApi,
+from tidal_kube.localcluster import (DURATION_ANNOTATION, FINISHED, GPU, ClusterApi,
                                          gpu_request, node_gpus)
 
 log = logging.getLogger(__name__)

@@ -103,8 +103,8 @@ def up(nodes, gpus_per_node, port, kubeconfig, workdir, rate_per_hour, mean_dura
     tidal-operator, and Poisson arrivals of non-elastic GPU jobs. Apply an ElasticTrainingJob
     with kubectl to see it scale. Ctrl-C or SIGTERM stops every process it started.
     """
-    from tidal_operator.local.arrivals import ArrivalConfig
-    from tidal_operator.local.cluster import ClusterConfig, ClusterError, LocalCluster
+    from tidal_local.arrivals import ArrivalConfig
+    from tidal_local.cluster import ClusterConfig, ClusterError, LocalCluster
 
     _sigterm_as_interrupt()
     _logging(workdir / "cluster.log")
@@ -134,7 +134,7 @@ def _serve(cluster, show: bool) -> None:
     """Until interrupted: watch the cluster's parts, and draw the live view if ``show``."""
     from rich.live import Live
 
-    from tidal_operator.local.observe import observe, render
+    from tidal_local.observe import observe, render
 
     with Live(console=_console, refresh_per_second=2) if show else nullcontext() as screen:
         while True:
@@ -170,9 +170,9 @@ def demo(minutes, steps, job_file, report, plot, burst_after_s, nodes, gpus_per_
     GPU slots and shrinks it when non-elastic jobs arrive. A live view shows it; at the end a
     summary, a PNG plot, and a check that the losses are bitwise those of a static run.
     """
-    from tidal_operator.local.binaries import BinaryError
-    from tidal_operator.local.cluster import ClusterError
-    from tidal_operator.local.demo import DemoConfig, DemoError, run_demo
+    from tidal_local.binaries import BinaryError
+    from tidal_local.cluster import ClusterError
+    from tidal_local.demo import DemoConfig, DemoError, run_demo
 
     _sigterm_as_interrupt()
     _logging(workdir / "cluster.log")
