@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from tidal_operator.snapshot import Placement, node_of
+from tidal_operator.snapshot import Placement, gpus_of, node_of, pod_gpus
 
 Obj = dict[str, Any]
 
@@ -134,18 +134,13 @@ async def create_nodes(api: ClusterApi, count: int, gpus_per_node: int, resource
 
 
 def gpu_request(pod: Obj, resource: str = GPU) -> int:
-    """The pod's request of ``resource``: the sum over its containers (limits where no request)."""
-    total = 0
-    for container in pod.get("spec", {}).get("containers") or []:
-        resources = container.get("resources") or {}
-        limit = (resources.get("limits") or {}).get(resource, 0)
-        total += int((resources.get("requests") or {}).get(resource, limit))
-    return total
+    """The pod's request of ``resource``, counted as the operator counts it."""
+    return pod_gpus(pod.get("spec") or {}, resource)
 
 
 def node_gpus(node: Obj, resource: str = GPU) -> int:
     status = node.get("status") or {}
-    return int((status.get("allocatable") or status.get("capacity") or {}).get(resource, 0))
+    return gpus_of(status.get("allocatable") or status.get("capacity"), resource)
 
 
 def _ready(node: Obj) -> bool:

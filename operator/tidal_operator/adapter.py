@@ -36,12 +36,6 @@ def rfc3339(epoch: float) -> str:
     return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_time(text: str | None) -> float | None:
-    if not text:
-        return None
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
 def _client(kubeconfig: str | None) -> AsyncClient:
     if kubeconfig:
         return AsyncClient(KubeConfig.from_file(kubeconfig).get(), field_manager=COMPONENT)

@@ -38,10 +38,10 @@ from typing import Any
 from tidal_api import ElasticTrainingJob, JobSpecError, JobStatus, keys, parse_job
 from tidal_api.status import READY, SCALING, VALID
 from tidal_operator import builders
-from tidal_operator.adapter import Adapter, ApiUnavailable, parse_time, rfc3339
+from tidal_operator.adapter import Adapter, ApiUnavailable, rfc3339
 from tidal_operator.metrics import Metrics
 from tidal_operator.policy import Decision, decide
-from tidal_operator.snapshot import ElasticJob, Node, Placement, Pod, Snapshot
+from tidal_operator.snapshot import ElasticJob, Node, Placement, Pod, Snapshot, parse_time
 
 log = logging.getLogger(__name__)
 
@@ -57,51 +57,6 @@ LEADER_GONE_S = 10.0
 class Config:
     gpu_resource: str = "nvidia.com/gpu"
     interval_s: float = 2.0
-
-
-def gpus_of(resources: Mapping[str, Any] | None, resource: str) -> int:
-    """GPUs in a resource map (``{"nvidia.com/gpu": "8"}``); quantities are whole GPUs."""
-    value = (resources or {}).get(resource, 0)
-    try:
-        return int(str(value))
-    except ValueError:
-        return 0
-
-
-def pod_gpus(spec: Mapping[str, Any], resource: str) -> int:
-    """The GPUs a pod holds: its containers' limits (or requests, where no limit is set)."""
-    total = 0
-    for c in spec.get("containers") or ():
-        res = c.get("resources") or {}
-        total += gpus_of(res.get("limits"), resource) or gpus_of(res.get("requests"), resource)
-    return total
-
-
-def pod_view(body: Mapping[str, Any], resource: str) -> Pod:
-    """The index entry of one pod: what the policy needs and nothing else."""
-    meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
-    labels = meta.get("labels") or {}
-    job = labels.get(keys.JOB_LABEL)
-    terminated = next((c["state"]["terminated"] for c in status.get("containerStatuses") or ()
-                       if (c.get("state") or {}).get("terminated")), {})
-    unschedulable = any(
-        c.get("type") == "PodScheduled" and c.get("status") == "False"
-        and c.get("reason") == "Unschedulable"
-        for c in status.get("conditions") or ()
-    )
-    return Pod(
-        key=f"{meta.get('namespace', 'default')}/{meta['name']}",
-        node=spec.get("nodeName"),
-        gpus=pod_gpus(spec, resource),
-        phase=status.get("phase", "Pending"),
-        job=f"{meta.get('namespace', 'default')}/{job}" if job else None,
-        unschedulable=unschedulable,
-        created=parse_time(meta.get("creationTimestamp")) or 0.0,
-        placement=Placement.of(spec.get("nodeSelector"), spec.get("tolerations")),
-        deleting=meta.get("deletionTimestamp") is not None,
-        exit_code=terminated.get("exitCode"),
-        last_words=(terminated.get("message") or "").strip().rsplit("\n", 1)[-1][:200],
-    )
 
 
 def _one(store: Iterable[Any]) -> Any:

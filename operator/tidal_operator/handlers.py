@@ -14,9 +14,9 @@ import kopf
 
 from tidal_api import GROUP, VERSION
 from tidal_operator.adapter import Adapter, ApiUnavailable
-from tidal_operator.controller import Config, Controller, gpus_of, pod_view
+from tidal_operator.controller import Config, Controller
 from tidal_operator.metrics import Metrics
-from tidal_operator.snapshot import Node, node_of
+from tidal_operator.snapshot import Node, gpus_of, node_of, pod_view
 
 ETJ = (GROUP, VERSION, "elastictrainingjobs")
 

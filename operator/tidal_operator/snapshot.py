@@ -8,11 +8,12 @@ for a thousand nodes and thousands of pods costs little next to the decision its
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tidal_api import ScaleTable
+from tidal_api import ScaleTable, keys
 
 # A pod in one of these phases has given its GPUs back, wherever it is bound.
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
@@ -213,3 +214,59 @@ class Snapshot:
             if pod.node in used and pod.phase not in FINISHED_PHASES:
                 used[pod.node] += pod.gpus
         return used
+
+
+def parse_time(text: str | None) -> float | None:
+    if not text:
+        return None
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def gpus_of(resources: Mapping[str, Any] | None, resource: str) -> int:
+    """GPUs in a resource map (``{"nvidia.com/gpu": "8"}``); quantities are whole GPUs."""
+    value = (resources or {}).get(resource, 0)
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+def pod_gpus(spec: Mapping[str, Any], resource: str) -> int:
+    """The GPUs a pod holds, as the kube-scheduler counts them: the sum over its containers'
+    requests (a limit stands for a request not given, as the API server defaults it), or the
+    largest init container's, where that is more."""
+
+    def request(container: Mapping[str, Any]) -> int:
+        res = container.get("resources") or {}
+        requests, limits = res.get("requests") or {}, res.get("limits") or {}
+        return gpus_of(requests if resource in requests else limits, resource)
+
+    return max(sum(map(request, spec.get("containers") or ())),
+               max(map(request, spec.get("initContainers") or ()), default=0))
+
+
+def pod_view(body: Mapping[str, Any], resource: str) -> Pod:
+    """The index entry of one pod: what the policy needs and nothing else."""
+    meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
+    labels = meta.get("labels") or {}
+    job = labels.get(keys.JOB_LABEL)
+    terminated = next((c["state"]["terminated"] for c in status.get("containerStatuses") or ()
+                       if (c.get("state") or {}).get("terminated")), {})
+    unschedulable = any(
+        c.get("type") == "PodScheduled" and c.get("status") == "False"
+        and c.get("reason") == "Unschedulable"
+        for c in status.get("conditions") or ()
+    )
+    return Pod(
+        key=f"{meta.get('namespace', 'default')}/{meta['name']}",
+        node=spec.get("nodeName"),
+        gpus=pod_gpus(spec, resource),
+        phase=status.get("phase", "Pending"),
+        job=f"{meta.get('namespace', 'default')}/{job}" if job else None,
+        unschedulable=unschedulable,
+        created=parse_time(meta.get("creationTimestamp")) or 0.0,
+        placement=Placement.of(spec.get("nodeSelector"), spec.get("tolerations")),
+        deleting=meta.get("deletionTimestamp") is not None,
+        exit_code=terminated.get("exitCode"),
+        last_words=(terminated.get("message") or "").strip().rsplit("\n", 1)[-1][:200],
+    )

@@ -6,8 +6,10 @@ import pytest
 import yaml
 
 from tidal_api import keys, parse_job
+from tidal_kube import localcluster
 from tidal_operator import builders
-from tidal_operator.controller import _set_condition, contradiction, pod_gpus, pod_view
+from tidal_operator.controller import _set_condition, contradiction
+from tidal_operator.snapshot import pod_gpus, pod_view
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,3 +138,20 @@ def test_placement_reaches_the_policy_from_nodes_pods_and_the_jobs_template(job)
                         meta={"labels": {"gpu": "a100"}})
     assert indexed == {"n": node}
     assert gpu_nodes(name="n", status={}, spec={"unschedulable": True}, meta={}) == {}
+
+
+@pytest.mark.parametrize(("containers", "init", "gpus"), [
+    ([{"limits": {"nvidia.com/gpu": "2"}}], [], 2),  # a limit stands for the request
+    ([{"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}, {}], [], 1),
+    ([{"requests": {"nvidia.com/gpu": 1}}, {"limits": {"nvidia.com/gpu": 2}}], [], 3),
+    ([{"requests": {"nvidia.com/gpu": 1}}], [{"limits": {"nvidia.com/gpu": 4}}], 4),
+    ([{"requests": {"nvidia.com/gpu": 3}}], [{"limits": {"nvidia.com/gpu": 2}}], 3),
+    ([{"requests": {"cpu": "2"}}], [], 0),
+])
+def test_a_pod_holds_the_gpus_the_scheduler_counts(containers, init, gpus):
+    """One count for the operator's index and the local scheduler: the containers' sum, or the
+    largest init container's where that is more."""
+    spec = {"containers": [{"resources": r} for r in containers],
+            "initContainers": [{"resources": r} for r in init]}
+    assert pod_gpus(spec, "nvidia.com/gpu") == gpus
+    assert localcluster.gpu_request({"spec": spec}) == gpus
