@@ -28,8 +28,8 @@ sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubl
 
 from tidal_plan.costmodel import model_unit_costs  # noqa: E402
 from tidal_plan.devices import DEVICES  # noqa: E402
+from tidal_plan.estimate import clear_caches  # noqa: E402
 from tidal_plan.planner import FLEXTRAIN_RUNS, plan_flextrain  # noqa: E402
-from tidal_plan.simulate import clear_caches  # noqa: E402
 
 BUDGET_S = 10.0
 TABLES = ROOT / "examples" / "scale-tables"

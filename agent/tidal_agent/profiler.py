@@ -13,45 +13,30 @@ and backwards to a ``UnitProfiler``, which records per placement unit:
 
 While the unit hooks are on (the first profiled step), a fused backward (B) runs as I then W,
 which computes the same bits (tests/integration/test_bitwise.py compares the schedules), so that
-I and W are measured apart.
+I and W are measured apart. In the plain profiled steps (hooks off) it records every action's
+wall time as the runtime runs it, the time its receives waited, and the step's pipeline and
+post-pipeline seconds.
 
-The hooks themselves cost time, and a unit's cost is not proportional to the micro-batch size
-(a fixed part is Python, dispatch and autograd-engine overhead), so what predicts other layouts
-comes from two more measurements:
-
-- ``calibrate_units``: copies of the rank's units run alone and all together, at the run's
-  micro-batch size and at twice it, for every action kind (F, fused B, split I and W) and for
-  the post-pipeline work of their parameters (gradient norms, clip, AdamW, zero_grad). A stage
-  action costs a fixed per-action overhead plus its units' costs, so the difference between
-  the singles' sum and the whole stage gives the overhead, and the two sizes give each unit's
-  fixed and per-sample parts. Copies: the run's parameters, gradients and optimizer state are
-  never touched, so the run keeps its bits.
-- the plain profiled steps (hooks off): every action's wall time as the runtime runs it, the
-  time its receives waited, and the step's pipeline and post-pipeline seconds;
-- ``time_messages``: what a message between pipeline neighbours costs on the run's transport,
-  beyond posting it: its latency to a receiver already waiting, its delay to one that posts
-  after the sender (gloo's rendezvous), and the CPU seconds each end burns in its process.
+``build_profile`` joins every rank's part, with what ``tidal_agent.calibrate`` measured beside
+the steps, into the profile that ``tidal_plan.profiled`` reads.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from tidal_agent.model import StageModule, Unit, UnitContext
+from tidal_agent.model import StageModule, UnitContext
 from tidal_plan.ir import Action
 
-if TYPE_CHECKING:  # the trainer imports the runtime, which imports this module
-    from tidal_agent.trainer import Trainer
+# What ``tidal_agent.calibrate`` times per unit and per stage (the action kinds and the
+# post-pipeline work): the keys of the profile's calibration.
+CALIBRATED = ("forward", "backward", "input_grad", "weight_grad", "post")
 
 
 @dataclass(slots=True)
@@ -279,209 +264,3 @@ def _measured(parts: list[dict], layout) -> dict:
             for part in parts if part.get("steps")
         },
     }
-
-
-CALIBRATED = ("forward", "backward", "input_grad", "weight_grad", "post")
-
-
-def calibrate_stage(
-    units: Sequence[Unit],
-    micro_batch_size: int,
-    tokens: Callable[[int], torch.Tensor],
-    optimizer: Callable[[list], torch.optim.Optimizer],
-    *,
-    repeats: int = 5,
-) -> dict:
-    """Time copies of one stage's units, alone and together, at two micro-batch sizes.
-
-    ``tokens(m)`` loads a micro-batch of ``m`` samples the way the run does; ``optimizer``
-    builds the run's optimizer over ``(name, parameter)`` pairs. Returns, per size, the median
-    seconds of every kind in ``CALIBRATED`` for each unit alone (``units``) and, for a stage
-    of several units, for all of them as one action (``stage``).
-    """
-    singles = [[copy.deepcopy(u)] for u in units]
-    groups = singles + ([[u for [u] in singles]] if len(units) > 1 else [])
-    sizes = [micro_batch_size, 2 * micro_batch_size]
-    out: dict = {"sizes": sizes, "units": {}, "stage": None}
-    for i, group in enumerate(groups):
-        opt = optimizer([(f"{u.index}.{n}", p) for u in group for n, p in u.named_parameters()])
-        times: dict[str, list[float]] = {kind: [] for kind in CALIBRATED}
-        for m in sizes:
-            # The first pass warms up (allocations, the optimizer's state) and is dropped.
-            runs = [_time_group(group, m, tokens, opt) for _ in range(repeats + 1)][1:]
-            for kind in CALIBRATED:
-                times[kind].append(statistics.median(run[kind] for run in runs))
-        if i < len(singles):
-            out["units"][group[0].index] = times
-        else:
-            out["stage"] = times
-    return out
-
-
-def _time_group(group: list[Unit], m: int, tokens, opt) -> dict[str, float]:
-    """One F, B, F, I, W and post-pipeline pass of ``group`` on ``m`` samples, timed."""
-    config = group[0].config
-    last = group[-1].index == config.num_units - 1
-    gen = torch.Generator().manual_seed(group[0].index)  # never the global generator
-    x0 = None
-    if group[0].index > 0:
-        x0 = torch.randn(m, config.seq_len, config.d_model, generator=gen)
-    weights = [p for u in group for p in u.parameters()]
-    out: dict[str, float] = {}
-
-    def forward():
-        ctx = UnitContext(seed=0, step=0, mb=0, device=torch.device("cpu"),
-                          load=lambda: tokens(m))
-        x = None if x0 is None else x0.clone().requires_grad_(True)
-        started = time.perf_counter()
-        h, losses = x, []
-        for unit in group:
-            h, loss = unit(h, ctx)
-            if loss is not None:
-                losses.append(loss)
-        seconds = time.perf_counter() - started
-        roots = list(losses) + ([] if last else [h])
-        grads = [torch.ones_like(r) for r in roots]
-        return seconds, x, roots, grads
-
-    out["forward"], x, roots, grads = forward()
-    started = time.perf_counter()
-    torch.autograd.backward(roots, grads)
-    out["backward"] = time.perf_counter() - started
-
-    _, x, roots, grads = forward()
-    started = time.perf_counter()
-    if x is None:  # as the runtime: a stage without input has no I; its W is the backward
-        out["input_grad"] = time.perf_counter() - started
-        started = time.perf_counter()
-        torch.autograd.backward(roots, grads, inputs=weights)
-    else:
-        _, groups = stage_backward_input(roots, grads, [x], iter(weights))
-        out["input_grad"] = time.perf_counter() - started
-        started = time.perf_counter()
-        stage_backward_weight(iter(weights), groups)
-    out["weight_grad"] = time.perf_counter() - started
-
-    started = time.perf_counter()
-    norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in weights])
-    coef = torch.clamp(1.0 / (torch.linalg.vector_norm(norms) + 1e-6), max=1.0)
-    for p in weights:
-        p.grad.mul_(coef)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    out["post"] = time.perf_counter() - started
-    return out
-
-
-def calibrate_trainer(trainer: Trainer, repeats: int = 5) -> list[dict]:
-    """``calibrate_stage`` for every stage of the trainer's rank, all ranks at once.
-
-    Each stage's entry also carries what ``time_messages`` measured on the rank.
-    """
-    from tidal_agent.data import BatchSource
-    from tidal_agent.optim import build_adamw
-
-    corpus = trainer.runtime.batches.corpus
-    trainer.world.barrier()  # every rank calibrates at the same time, sharing cores as in the run
-    stages = [
-        calibrate_stage(
-            module.ordered_units, trainer.layout.micro_batch_size,
-            lambda m: BatchSource(corpus, m).micro_batch(0, 0),
-            lambda named: build_adamw(named, trainer.spec.training),
-            repeats=repeats,
-        )
-        for module in trainer.stages.values()
-    ]
-    messages = time_messages(trainer)
-    return [{**stage, "messages": messages} for stage in stages]
-
-
-_MESSAGE_TAG = 5_000_000  # above the step's tags and the ping-pong's
-
-
-def time_messages(trainer: Trainer, repeats: int = 20, busy_s: float = 0.002) -> dict:
-    """What an activation-sized message costs between pipeline neighbours, both orders.
-
-    Pairs (r, r + 1) of each replica's pipeline take turns, like ``profile_p2p``:
-
-    - ``latency_s``: half a ping-pong's round trip; each leg's RECV is posted first and its
-      receiver sleeps in it until the data comes;
-    - ``cpu_s``: the process CPU seconds (every thread: the transport's too) one end of those
-      messages costs, on average over both ends;
-    - ``rendezvous_s``: the RECV posted after the SEND, which gloo answers only once the
-      receiver's notice reaches the sender's side. Timed as a pipeline streams: the sender
-      computes ``busy_s`` and posts, ``repeats`` times; the receiver computes ``1.5 busy_s``
-      before each RECV, lagging ever more behind; the seconds from each posting to the data.
-
-    Each is the median of ``repeats`` tries: other load on the host stretches some of them a
-    lot, and what the running pipeline adds to the delays is measured apart (the predictor
-    scales them to the profiled steps). Every rank calls it; the values are None on ranks that
-    measured none of them.
-    """
-    buf = torch.zeros(trainer.runtime.activation_shape, device=trainer.device)
-    bufs = [torch.zeros_like(buf) for _ in range(repeats)]
-    latency, cpu, rendezvous = [], [], []
-    layout, me, world = trainer.layout, trainer.pp_rank, trainer.world
-    for first in range(layout.pp - 1):
-        if me not in (first, first + 1):
-            continue
-        sender = me == first
-        peer = trainer.runtime.group_ranks[first + 1 if sender else first]
-        tags = iter(range(_MESSAGE_TAG + 1000 * first, _MESSAGE_TAG + 1000 * (first + 1)))
-        for i in range(repeats + 1):  # the first exchange sets the pair up: not counted
-            started, cpu_started = time.perf_counter(), time.process_time()
-            out, back = next(tags), next(tags)
-            if sender:
-                world.send(buf, peer, out).wait()
-                world.recv(buf, peer, back).wait()
-            else:
-                world.recv(buf, peer, out).wait()
-                world.send(buf, peer, back).wait()
-            if i:
-                latency.append((time.perf_counter() - started) / 2)
-                cpu.append((time.process_time() - cpu_started) / 2)
-        stream = [next(tags) for _ in range(repeats)]
-        if sender:
-            works = []
-            for tag in stream:
-                _compute(busy_s)
-                works.append(world.send(buf, peer, tag))
-            for work in works:
-                work.wait()
-        else:
-            for tag, into in zip(stream, bufs, strict=True):
-                _compute(1.5 * busy_s)
-                started = time.perf_counter()
-                world.recv(into, peer, tag).wait()
-                rendezvous.append(time.perf_counter() - started)
-    world.barrier()
-
-    def median(values: list[float]) -> float | None:
-        return statistics.median(values) if values else None
-
-    return {"latency_s": median(latency), "cpu_s": median(cpu),
-            "rendezvous_s": median(rendezvous)}
-
-
-def _compute(seconds: float) -> None:
-    """Keep this rank's core busy with small matmuls, as a stage's compute would."""
-    x = torch.full((64, 64), 1.0 / 64)
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        x = torch.tanh(x @ x)
-
-
-def time_collectives(trainer: Trainer, repeats: int = 5) -> float:
-    """Median seconds of the step's two all-reduces: the gradient norms and the step loss."""
-    layout = trainer.layout
-    norms = torch.zeros(trainer.num_params)
-    table = torch.zeros(layout.num_micro_batches * layout.dp, trainer._num_loss_units,
-                        dtype=torch.float64)
-    times = []
-    trainer.world.barrier()
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        trainer.world.all_reduce(norms)
-        trainer.world.all_reduce(table)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])

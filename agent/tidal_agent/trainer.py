@@ -27,9 +27,9 @@ from tidal_agent.optim import (
 from tidal_agent.runtime import PipelineRuntime
 from tidal_agent.world import World
 from tidal_api import JobSpec
+from tidal_plan.dryrun import plan_step
 from tidal_plan.layout import Layout
 from tidal_plan.lowering import fifo_consistent
-from tidal_plan.simulate import plan_step
 
 
 def model_config(spec: JobSpec) -> ModelConfig:

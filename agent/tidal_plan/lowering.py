@@ -6,7 +6,8 @@ RECV right before using it. Stages on the same rank hand tensors over locally, w
 
 The runtime posts SENDs without waiting and blocks on RECVs, and matches messages by their
 (kind, stage, micro-batch) tag. Backends that match in posting order instead (NCCL) also need
-:func:`fifo_consistent` lists.
+:func:`fifo_consistent` lists. :func:`validate_lowered` refuses lists no schedule could mean
+(hand-written ones included) before the dry run executes them.
 """
 
 from __future__ import annotations
@@ -95,3 +96,62 @@ def fifo_consistent(lowered: Mapping[int, Sequence[Action]]) -> bool:
                 tag = message(action)
                 received.setdefault((sender[tag], rank), []).append(tag)
     return sent == received
+
+
+def validate_lowered(layout: Layout, lowered: Mapping[int, Sequence[Action]]) -> None:
+    """Raise ``ValueError`` for lowered lists no schedule could mean.
+
+    That is: lists for other ranks than the layout's, an action on the wrong rank or twice,
+    communication between stages of one rank, or a SEND nobody receives. A RECV nobody sends
+    passes: it is a deadlock, which the dry run shows.
+    """
+    if set(lowered) != set(range(layout.pp)):
+        raise ValueError(
+            f"lists are given for ranks {sorted(lowered)}; layout {layout.describe()} "
+            f"needs exactly ranks 0..{layout.pp - 1}"
+        )
+    seen: set[Action] = set()
+    received: set[Message] = set()
+    sends: list[Action] = []
+    for rank, actions in lowered.items():
+        for action in actions:
+            _check_action(layout, rank, action)
+            if action in seen:
+                raise ValueError(f"{action} appears twice: a stage runs each action once")
+            seen.add(action)
+            if action.kind in (Kind.RECV_F, Kind.RECV_B):
+                received.add(message(action))
+            elif action.kind in (Kind.SEND_F, Kind.SEND_B):
+                sends.append(action)
+    for send in sends:
+        if message(send) not in received:
+            peer = send.stage + (1 if send.kind is Kind.SEND_F else -1)
+            recv = Action(peer, Kind.RECV_F if send.kind is Kind.SEND_F else Kind.RECV_B, send.mb)
+            raise ValueError(
+                f"{send} is never received: add {recv} on rank {layout.stage_rank(peer)} "
+                f"or drop the send"
+            )
+
+
+def _check_action(layout: Layout, rank: int, action: Action) -> None:
+    stage, kind = action.stage, action.kind
+    last = layout.num_stages - 1
+    if not 0 <= stage <= last:
+        raise ValueError(f"{action} names a stage outside 0..{last}")
+    if not 0 <= action.mb < layout.num_micro_batches:
+        raise ValueError(f"{action} names a micro-batch outside 0..{layout.num_micro_batches - 1}")
+    if layout.stage_rank(stage) != rank:
+        raise ValueError(
+            f"{action} is on rank {rank}, but stage {stage} runs on rank "
+            f"{layout.stage_rank(stage)}: move it there"
+        )
+    if kind.is_compute:
+        return
+    peer = stage + (1 if kind in (Kind.SEND_F, Kind.RECV_B) else -1)
+    if not 0 <= peer <= last:
+        raise ValueError(f"{action} talks to stage {peer}, which does not exist: drop it")
+    if layout.stage_rank(peer) == rank:
+        raise ValueError(
+            f"{action} talks to stage {peer} on its own rank {rank}: drop it, the runtime "
+            f"hands tensors between stages of one rank over locally"
+        )

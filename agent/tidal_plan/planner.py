@@ -20,16 +20,14 @@ from dataclasses import dataclass
 
 from tidal_api import ElasticTrainingJob, ScaleTable
 from tidal_api.spec import JobSpec
-from tidal_plan.costmodel import FLEXTRAIN, FLEXTRAIN_BATCH, ModelShape, Sharding
+from tidal_plan.costmodel import Prediction, Sharding
 from tidal_plan.devices import Device
-from tidal_plan.costmodel import Prediction
 from tidal_plan.layout import Layout, LayoutError, ScheduleKind
+from tidal_plan.modelshape import FLEXTRAIN, FLEXTRAIN_BATCH, ModelShape
+from tidal_plan.predictors import ModeledPredictor, Predictor, ProfiledPredictor
 from tidal_plan.profiled import Profile
 from tidal_plan.search import (
     Dropped,
-    ModeledPredictor,
-    Predictor,
-    ProfiledPredictor,
     SearchResult,
     SearchSpace,
     choose,

@@ -28,12 +28,13 @@ any other layout of the same model on the same machine. What it holds and how it
 
 A stage action costs its kind's overhead plus its units' costs, times ``in_run``; posting
 sends and receives is added to the compute action they follow or precede. The lowered schedule
-runs through the dry-run simulator on a ``Machine`` with the host's cores (``cores / threads``
-ranks compute at full speed at once; more share them), the rendezvous delay and the message
-work, which competes for the cores while the transport handles the message; the step adds
-the slowest rank's post-pipeline work, both slowed by ``sharing`` in proportion to the cores
-that two ranks share (``min(1, ranks / cores - 1)``), and the two all-reduces, which grow
-with the ranks taking part (``(W - 1) / (W_profiled - 1)``, the steps of a ring).
+runs through the dry run (``tidal_plan.dryrun``) on a ``Machine`` with the host's cores
+(``cores / threads`` ranks compute at full speed at once; more share them), the rendezvous
+delay and the message work, which competes for the cores while the transport handles the
+message; the step adds the slowest rank's post-pipeline work, both slowed by ``sharing`` in
+proportion to the cores that two ranks share (``min(1, ranks / cores - 1)``), and the two
+all-reduces, which grow with the ranks taking part (``(W - 1) / (W_profiled - 1)``, the steps
+of a ring).
 
 Why those message costs: gloo sends a message only once the receiver has posted its RECV. A
 receiver that lags behind its sender (GPipe's forwards, any rank slower than the one before
@@ -49,6 +50,11 @@ quiet one) and the scheduler's time slices, which the processor sharing only ave
 
 Profiles written before the calibration existed (no ``calibration`` key) still predict, the
 old way: unit costs scaled linearly by micro-batch size and by ``ranks x threads / cores``.
+
+Reading a profile and predicting from it stay in one module (a little over 400 lines, an eighth
+of them this docstring): the reader fits the message delays and the sharing factor by running
+the predictor's own dry run of the profiled layout (``_profiled_dry_run``, ``_post_pipeline``),
+so apart they would only export each other's internals.
 """
 
 from __future__ import annotations
@@ -60,10 +66,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal_plan.actioncosts import Costs
 from tidal_plan.costmodel import Prediction
+from tidal_plan.dryrun import DryRun, Machine, dry_run, plan_step
 from tidal_plan.ir import Action, Kind
 from tidal_plan.layout import Layout
-from tidal_plan.simulate import Costs, Machine, SimResult, plan_step, simulate
 
 ACTION_KINDS = ("forward", "backward", "input_grad", "weight_grad")
 _KIND_KEYS = {"forward": "F", "backward": "B", "input_grad": "I", "weight_grad": "W"}
@@ -185,7 +192,7 @@ def _in_pipeline(profile: Profile, data: dict[str, Any], most: float = 50.0) -> 
                                    rendezvous_s=factor * profile.rendezvous_s)
 
     def makespan(factor: float) -> float:
-        return _dry_run(stretched(factor), layout).makespan
+        return _profiled_dry_run(stretched(factor), layout).makespan
 
     low, high = 1.0, most
     if makespan(low) >= measured:
@@ -210,7 +217,7 @@ def _shared(profile: Profile, data: dict[str, Any], most: float = 4.0) -> Profil
         return profile
     layout = Layout(**data["layout"])
     copies = dataclasses.replace(layout, dp=layout.dp * probe["copies"])
-    sim = _dry_run(profile, copies)
+    sim = _profiled_dry_run(profile, copies)
     predicted = sim.makespan + _post_pipeline(profile, copies) + profile.calibration.collectives_s
     factor = min(most, max(1.0, probe["step_s"] / predicted))
     return dataclasses.replace(profile, sharing=factor)
@@ -251,10 +258,22 @@ def _calibration(data: dict[str, Any], num_units: int) -> Calibration:
 
 
 def load_profile(path: str | Path) -> Profile:
+    """The profile that ``tidal run --profile`` wrote to ``path``."""
     try:
-        return Profile.from_dict(json.loads(Path(path).read_text()))
-    except (OSError, json.JSONDecodeError) as err:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
         raise ProfileError(f"{path}: {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = None
+    not_one = f"{path} is not a profile: write one with tidal run --profile"
+    if not isinstance(data, dict):
+        raise ProfileError(not_one)
+    try:
+        return Profile.from_dict(data)
+    except ProfileError as err:
+        raise ProfileError(f"{path}: {err}") from None
+    except (KeyError, TypeError, AttributeError, ValueError):  # a JSON object of other fields
+        raise ProfileError(not_one) from None
 
 
 def _check_units(profile: Profile, layout: Layout) -> None:
@@ -353,15 +372,15 @@ def _sharing(profile: Profile, layout: Layout) -> float:
     return 1.0 + (profile.sharing - 1.0) * shared
 
 
-def _dry_run(profile: Profile, layout: Layout) -> SimResult:
+def _profiled_dry_run(profile: Profile, layout: Layout) -> DryRun:
     """The dry run of ``layout``, its ranks sharing the machine's cores."""
     lowered = plan_step(layout)
     costs = _calibrated_costs(profile, layout, lowered)
-    return simulate(layout, lowered, costs, _machine(profile, layout)).raise_on_deadlock()
+    return dry_run(layout, lowered, costs, _machine(profile, layout)).raise_on_deadlock()
 
 
 def profiled_costs(profile: Profile, layout: Layout) -> Costs:
-    """Per-stage simulator costs of ``layout`` from the profile (work, before core sharing)."""
+    """Per-stage dry-run costs of ``layout`` from the profile (work, before core sharing)."""
     _check_units(profile, layout)
     if profile.calibration is None:
         return _linear_costs(profile, layout)
@@ -377,13 +396,13 @@ def predict_profiled(profile: Profile, layout: Layout, seq_len: int) -> Predicti
     ]
     cal = profile.calibration
     if cal is None:
-        sim = simulate(layout, plan_step(layout), _linear_costs(profile, layout))
+        sim = dry_run(layout, plan_step(layout), _linear_costs(profile, layout))
         sim.raise_on_deadlock()
         post = profile.optimizer_s_per_byte * max(rank_params) * _contention(profile, layout)
         collectives = 0.0
         pipeline = sim.makespan
     else:
-        sim = _dry_run(profile, layout)
+        sim = _profiled_dry_run(profile, layout)
         sharing = _sharing(profile, layout)
         pipeline = sim.makespan * sharing
         post = _post_pipeline(profile, layout) * sharing

@@ -145,7 +145,7 @@ def validate_compute(layout: Layout, actions: Mapping[int, Sequence[Action]]) ->
     Raises ``ValueError`` if a rank is missing or unknown, an action is not compute or sits on
     the wrong rank, a stage misses or repeats the F or the backward (B, or I and W) of a
     micro-batch, a backward comes before its forward, a W before its I, or the backwards of a
-    stage are not in micro-batch order. Cross-rank ordering is the simulator's job.
+    stage are not in micro-batch order. Cross-rank ordering is the dry run's job.
     """
     if set(actions) != set(range(layout.pp)):
         raise ValueError(

@@ -3,10 +3,8 @@
 For every worker count in ``[min, max]`` the search enumerates the layouts the job's
 hyperparameters allow (data-parallel degree, micro-batch size, schedule, and for each a few
 partitions of the placement units), prices each with a predictor, and keeps the fastest one
-that fits in memory. Partitions are contiguous and may be uneven (FlexTrain's No-Op
-insertion): besides the even split by unit count, one balances stage time (an embedding costs
-almost nothing, an LM or MTP head as much as several blocks) and one balances time under the
-memory cap, with each stage charged for the micro-batches its schedule keeps in flight.
+that fits in memory (the partitions are ``tidal_plan.partition``'s, the predictors
+``tidal_plan.predictors``').
 
 A worker count is then dropped, with its reason, when no layout satisfies the hyperparameters,
 when every layout runs out of memory, when the profiling-based and modeling-based predictors
@@ -16,127 +14,15 @@ disagree about its speedup by more than ``max_disagreement``, or when it gains l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from tidal_api import DroppedRow, ScaleRow, ScaleTable
 
-from tidal_plan.costmodel import (
-    NO_SHARDING,
-    ModelShape,
-    Prediction,
-    Sharding,
-    UnitCosts,
-    model_unit_costs,
-    predict,
-    step_model,
-)
-from tidal_plan.devices import Device
-from tidal_plan.layout import Layout, LayoutError, ScheduleKind, even_partition
-from tidal_plan.profiled import Profile, predict_profiled
-from tidal_plan.simulate import estimate_lower_bound
-
-
-class Predictor(Protocol):
-    """What the search needs of a predictor."""
-
-    name: str  # "profiled" or "modeled"
-    num_units: int
-    gpus_per_rank: int
-
-    def units(self, micro_batch_size: int, dp: int) -> Sequence[UnitCosts]:
-        """Per placement unit: seconds and bytes of one micro-batch on one GPU."""
-        ...
-
-    def check(self, dp: int) -> str | None:
-        """Why ``dp`` replicas break a constraint of the model's sharding, or None."""
-        ...
-
-    def predict(self, layout: Layout) -> Prediction: ...
-
-    def bound(self, layout: Layout) -> tuple[float, float]:
-        """Lower bounds on ``predict``'s step seconds and on its fullest GPU's peak bytes."""
-        ...
-
-
-@dataclass(frozen=True)
-class ModeledPredictor:
-    """The modeling-based predictor: FLOPs and bytes over a device description."""
-
-    shape: ModelShape
-    device: Device
-    sharding: Sharding = NO_SHARDING
-    name: str = "modeled"
-
-    @property
-    def num_units(self) -> int:
-        return self.shape.num_units
-
-    @property
-    def gpus_per_rank(self) -> int:
-        return self.sharding.gpus_per_rank
-
-    def units(self, micro_batch_size: int, dp: int) -> Sequence[UnitCosts]:
-        return model_unit_costs(self.shape, micro_batch_size, self.device, dp, self.sharding)
-
-    def check(self, dp: int) -> str | None:
-        try:
-            self.sharding.check(self.shape, dp)
-        except ValueError as err:
-            return str(err)
-        return None
-
-    def predict(self, layout: Layout) -> Prediction:
-        return predict(self.shape, layout, self.device, self.sharding)
-
-    def bound(self, layout: Layout) -> tuple[float, float]:
-        model = step_model(self.shape, layout, self.device, self.sharding)
-        step, peak = estimate_lower_bound(layout, model.costs)
-        memory = max(state + held for state, held in zip(model.state_bytes, peak, strict=True))
-        # The bounds are sums of the very terms the simulation adds, in another order: shave
-        # off what rounding could put on top.
-        return (step + model.after_pipeline_s) * (1 - 1e-9), memory * (1 - 1e-9)
-
-
-@dataclass(frozen=True)
-class ProfiledPredictor:
-    """The profiling-based predictor: the costs measured online, through the simulator."""
-
-    profile: Profile
-    seq_len: int
-    name: str = "profiled"
-    gpus_per_rank: int = 1
-
-    @property
-    def num_units(self) -> int:
-        return len(self.profile.units)
-
-    def units(self, micro_batch_size: int, dp: int) -> Sequence[UnitCosts]:
-        scale = micro_batch_size / self.profile.micro_batch_size
-        return [
-            UnitCosts(
-                forward_s=u.forward_s * scale,
-                input_grad_s=u.input_grad_s * scale,
-                weight_grad_s=u.weight_grad_s * scale,
-                activation_bytes=u.activation_bytes * scale,
-                state_bytes=4 * u.param_bytes,  # fp32 parameters, gradients, two moments
-                allreduce_bytes=0.0,
-            )
-            for u in self.profile.units
-        ]
-
-    def check(self, dp: int) -> str | None:
-        return None
-
-    def predict(self, layout: Layout) -> Prediction:
-        return predict_profiled(self.profile, layout, self.seq_len)
-
-    def bound(self, layout: Layout) -> tuple[float, float]:
-        # The profiled costs settle core sharing over up to a dozen dry runs: a bound from them
-        # would cost what the prediction costs. No bound: every candidate is priced (the
-        # profiled models are the small ones this machine runs).
-        return 0.0, 0.0
+from tidal_plan.costmodel import Prediction
+from tidal_plan.layout import Layout, LayoutError, ScheduleKind
+from tidal_plan.partition import candidate_partitions
+from tidal_plan.predictors import Predictor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,7 +65,7 @@ class Choice:
     layout: Layout
     prediction: Prediction
     considered: int  # layouts that satisfy the hyperparameters
-    priced: int  # of those, how many went through the simulator
+    priced: int  # of those, how many a predictor priced
     out_of_memory: int  # how many were found not to fit
 
 
@@ -198,122 +84,6 @@ class SearchResult:
     dropped: dict[int, Dropped] = field(default_factory=dict)
     other: dict[int, Prediction] = field(default_factory=dict)  # the second predictor's view
     names: tuple[str, str] = ("", "")  # the choosing predictor's name, the other's
-
-
-# --- partitions ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StageMemory:
-    """What a unit costs the stage that holds it: its state, plus its activations for each
-    micro-batch the stage keeps in flight (a stage may keep more than another)."""
-
-    state: Sequence[float]  # per unit
-    activation: Sequence[float]  # per unit, one micro-batch
-    in_flight: Sequence[float]  # per stage
-
-
-def _pack(
-    seconds: Sequence[float],
-    memory: StageMemory | None,
-    stages: int,
-    limit: float,
-    cap: float,
-) -> tuple[int, ...] | None:
-    """Greedy contiguous packing: each stage takes units while its seconds stay within
-    ``limit`` and its memory within ``cap``.
-
-    Returns ``stages`` stage sizes, or None when the limits cannot be met. Packing each stage as
-    full as possible is optimal for feasibility (a later boundary never hurts later stages), and
-    leaves one unit for each stage still to come.
-    """
-    n = len(seconds)
-    state, activation = (memory.state, memory.activation) if memory else ((0.0,) * n,) * 2
-    sizes, unit = [], 0
-    for stage in range(stages):
-        end = n - (stages - stage - 1)
-        held = memory.in_flight[stage] if memory else 0.0
-        time = mem = 0.0
-        j = unit
-        while j < end:
-            t, m = seconds[j], state[j] + activation[j] * held
-            if j > unit and (time + t > limit or mem + m > cap):
-                break
-            time, mem, j = time + t, mem + m, j + 1
-        if time > limit or mem > cap:
-            return None
-        sizes.append(j - unit)
-        unit = j
-    return tuple(sizes) if unit == n else None
-
-
-def balanced_partition(
-    seconds: Sequence[float],
-    stages: int,
-    memory: StageMemory | None = None,
-    memory_cap: float = float("inf"),
-) -> tuple[int, ...] | None:
-    """Contiguous stages minimising the slowest stage's seconds, each stage's memory capped.
-
-    None if no partition fits.
-    """
-    n = len(seconds)
-    if not 1 <= stages <= n:
-        return None
-
-    def feasible(limit: float) -> tuple[int, ...] | None:
-        return _pack(seconds, memory, stages, limit, memory_cap)
-
-    hi = sum(seconds) + 1e-30
-    best = feasible(hi)
-    if best is None:
-        return None
-    lo = max(seconds)
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        found = feasible(mid)
-        if found is None:
-            lo = mid
-        else:
-            hi, best = mid, found
-        if hi - lo <= 1e-6 * hi:
-            break
-    return best
-
-
-def in_flight(kind: ScheduleKind, pp: int, rank: int, m: int, v: int) -> float:
-    """Micro-batches whose activations a stage on ``rank`` keeps at its peak (approximate)."""
-    if kind is ScheduleKind.GPIPE:
-        return m
-    if kind is ScheduleKind.ZERO_BUBBLE:
-        return min(m, pp)
-    if kind is ScheduleKind.INTERLEAVED:
-        return min(m, ((v - 1) * pp + 2 * (pp - rank - 1) + 1) / v)
-    return min(m, pp - rank)
-
-
-def candidate_partitions(
-    units: Sequence[UnitCosts], kind: ScheduleKind, pp: int, v: int, m: int, memory_cap: float
-) -> list[tuple[int, ...]]:
-    """Even, time-balanced and memory-capped time-balanced partitions, without repeats."""
-    stages = pp * v
-    seconds = [u.seconds for u in units]
-    held = [in_flight(kind, pp, rank, m, v) for rank in range(pp)]
-    memory = StageMemory(
-        state=[u.state_bytes for u in units],
-        activation=[u.activation_bytes for u in units],
-        in_flight=[held[stage % pp] for stage in range(stages)],
-    )
-    found = [
-        even_partition(len(units), stages),
-        balanced_partition(seconds, stages),
-        balanced_partition(seconds, stages, memory, memory_cap / v),
-    ]
-    out: list[tuple[int, ...]] = []
-    for partition in found:
-        if partition is not None and partition not in out:
-            out.append(partition)
-    return out
 
 
 # --- the search ----------------------------------------------------------------------------------

@@ -1,25 +1,23 @@
-"""The modeling-based predictor: parameter counts, FLOPs, memory, predictions and devices."""
+"""The model's counts (parameters, FLOPs, memory), the modeling-based predictor, devices."""
 
 import json
 import math
 
 import pytest
 
-from tidal_plan.costmodel import (
+from tidal_plan.costmodel import model_costs, predict, unit_costs
+from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, load_device
+from tidal_plan.layout import build_layout
+from tidal_plan.modelshape import (
     FLEXTRAIN,
     ModelShape,
     active_params,
-    model_costs,
-    predict,
     total_params,
     unit_activation_bytes,
     unit_active_params,
     unit_flops,
     unit_params,
-    unit_costs,
 )
-from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, load_device
-from tidal_plan.layout import build_layout
 
 H100 = DEVICES["h100"]
 SMALL = ModelShape(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2)

@@ -2,10 +2,10 @@ import dataclasses
 
 import pytest
 
+from tidal_plan.actioncosts import Costs
+from tidal_plan.dryrun import plan_step
 from tidal_plan.layout import Layout, build_layout
-from tidal_plan.ir import Action
 from tidal_plan.profiled import Affine, Profile, ProfileError, predict_profiled, profiled_costs
-from tidal_plan.simulate import Costs, Machine, plan_step, simulate
 
 
 def _profile(cores=0):
@@ -169,71 +169,6 @@ def test_more_busy_ranks_than_cores_share_them():
     assert slow >= work / 2  # two cores cannot do it faster
 
 
-# -- the dry run on shared cores ----------------------------------------------------------------
-
-
-def _times(result):
-    return [t for rank in result.timeline for span in rank for t in (span.start, span.end)]
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
-def test_a_machine_with_a_core_per_rank_changes_nothing(schedule):
-    layout = build_layout(num_units=6, workers=3, micro_batch_size=1, num_micro_batches=5,
-                          schedule=schedule)
-    costs = Costs(forward=(1.0, 2.0, 1.5), input_grad=(2.0, 1.0, 2.5),
-                  weight_grad=(0.5, 1.0, 0.2), comm=0.3)
-    lowered = plan_step(layout)
-    plain = simulate(layout, lowered, costs)
-    shared = simulate(layout, lowered, costs, Machine(cores=3))
-    assert [[s.action for s in rank] for rank in shared.timeline] == [
-        [s.action for s in rank] for rank in plain.timeline]
-    assert _times(shared) == pytest.approx(_times(plain))
-    assert shared.peak_memory == plain.peak_memory
-
-
-def test_one_core_does_all_the_work_one_piece_at_a_time():
-    # r0: F0 [0,1] F1 [1,2]; r1: F0 [1,2] F1 [2,3] B0 [3,4] B1 [4,5]; r0: B0 [4,5] B1 [5,6].
-    layout = build_layout(num_units=2, workers=2, micro_batch_size=1, num_micro_batches=2,
-                          schedule="gpipe")
-    costs = Costs(forward=1.0, input_grad=1.0, weight_grad=0.0)
-    lowered = plan_step(layout)
-    assert simulate(layout, lowered, costs).makespan == pytest.approx(6.0)
-    one = simulate(layout, lowered, costs, Machine(cores=1))
-    assert one.makespan == pytest.approx(8.0)  # never idle, never two at once
-    # Both ranks compute during [1, 3] at half speed: r0's F1 and r1's F0 end at 3.
-    (r0_f1,) = [s for s in one.timeline[0] if s.action == Action.parse("0F1")]
-    (r1_f0,) = [s for s in one.timeline[1] if s.action == Action.parse("1F0")]
-    assert (r0_f1.start, r0_f1.end) == pytest.approx((1.0, 3.0))
-    assert (r1_f0.start, r1_f0.end) == pytest.approx((1.0, 3.0))
-    two_replicas = simulate(layout, lowered, costs, Machine(cores=2, replicas=2))
-    assert two_replicas.makespan == pytest.approx(8.0)  # two pipelines on two cores
-
-
-def test_a_receive_posted_after_its_send_waits_for_the_rendezvous():
-    # Stage 1 is slower: r1 posts RECV_F1 at 3, after r0's SEND_F1 at 2; the data comes 0.5
-    # after the posting. r1: F0 [1,3] F1 [3.5,5.5].
-    layout = build_layout(num_units=2, workers=2, micro_batch_size=1, num_micro_batches=2,
-                          schedule="gpipe")
-    costs = Costs(forward=(1.0, 2.0), input_grad=1.0, weight_grad=0.0)
-    lowered = plan_step(layout)
-    result = simulate(layout, lowered, costs, Machine(rendezvous=0.5))
-    (f1,) = [s for s in result.timeline[1] if s.action == Action.parse("1F1")]
-    assert (f1.start, f1.end) == pytest.approx((3.5, 5.5))
-    # r0 waits for each gradient, posted before it is sent: no rendezvous there.
-    plain = simulate(layout, lowered, costs)
-    assert result.makespan == pytest.approx(plain.makespan + 0.5)
-
-
-def test_handling_messages_takes_cores_from_compute():
-    layout = build_layout(num_units=4, workers=4, micro_batch_size=1, num_micro_batches=4)
-    costs = Costs(forward=1.0, input_grad=1.0, weight_grad=0.0)
-    lowered = plan_step(layout)
-    roomy = simulate(layout, lowered, costs, Machine(message_work=0.5)).makespan
-    assert roomy == pytest.approx(simulate(layout, lowered, costs).makespan)
-    crowded = simulate(layout, lowered, costs, Machine(cores=2)).makespan
-    assert simulate(layout, lowered, costs, Machine(cores=2, message_work=0.5)).makespan > crowded
-
-
 def test_the_profile_carries_the_sharing_probe():
     assert _calibrated(cores=2).sharing == 1.0  # no probe: processor sharing alone
     probed = _calibrated(cores=2, sharing=1.25)
@@ -252,12 +187,6 @@ def test_sharing_slows_layouts_as_their_ranks_outnumber_the_cores():
         assert b.pipeline_seconds == pytest.approx(slower * a.pipeline_seconds), workers
         assert b.optimizer_seconds == pytest.approx(slower * a.optimizer_seconds), workers
         assert b.allreduce_seconds == a.allreduce_seconds
-
-
-def test_machine_errors():
-    for bad in ({"cores": 0}, {"replicas": 0}, {"rendezvous": -1.0}, {"message_work": -1.0}):
-        with pytest.raises(ValueError, match="cores must be positive"):
-            Machine(**bad)
 
 
 def test_post_pipeline_and_all_reduces():

@@ -8,11 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal_plan.actioncosts import Costs
+from tidal_plan.dryrun import dry_run, plan_step
 from tidal_plan.ir import Action, Kind, format_actions, parse_actions
 from tidal_plan.layout import Layout, LayoutError, ScheduleKind
 from tidal_plan.lowering import fifo_consistent, lower
 from tidal_plan.schedules import compute_actions, validate_compute
-from tidal_plan.simulate import Costs, plan_step, simulate
 
 
 def layout(
@@ -71,7 +72,7 @@ def unit_stage_costs(v: int) -> Costs:
 def test_schedule_is_complete_and_runs(lay: Layout) -> None:
     compute = compute_actions(lay)
     validate_compute(lay, compute)
-    result = simulate(lay, lower(lay, compute))
+    result = dry_run(lay, lower(lay, compute))
     assert not result.deadlock, result.grid
     assert result.makespan > 0
 
@@ -81,7 +82,7 @@ def test_schedule_is_complete_and_runs(lay: Layout) -> None:
 def test_random_layouts_are_complete_and_deadlock_free(lay: Layout) -> None:
     compute = compute_actions(lay)
     validate_compute(lay, compute)
-    assert not simulate(lay, lower(lay, compute)).deadlock
+    assert not dry_run(lay, lower(lay, compute)).deadlock
 
 
 def test_gpipe_runs_all_forwards_then_all_backwards() -> None:
@@ -180,7 +181,7 @@ def test_validate_compute_accepts_split_backward() -> None:
 @pytest.mark.parametrize("m", [1, 2, 4, 5, 8])
 def test_one_f_one_b_holds_no_more_activations_than_gpipe(pp: int, m: int) -> None:
     gpipe, one_f_one_b = (
-        simulate(lay, plan_step(lay))
+        dry_run(lay, plan_step(lay))
         for lay in (layout(pp, m, ScheduleKind.GPIPE), layout(pp, m, ScheduleKind.ONE_F_ONE_B))
     )
     assert all(a <= b for a, b in zip(one_f_one_b.peak_memory, gpipe.peak_memory, strict=True))
@@ -194,7 +195,7 @@ def test_one_f_one_b_holds_no_more_activations_than_gpipe(pp: int, m: int) -> No
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8])
 def test_zero_bubble_is_no_slower_than_one_f_one_b(pp: int, m: int) -> None:
     zb, base = layout(pp, m, ScheduleKind.ZERO_BUBBLE), layout(pp, m, ScheduleKind.ONE_F_ONE_B)
-    zb_run, base_run = simulate(zb, plan_step(zb)), simulate(base, plan_step(base))
+    zb_run, base_run = dry_run(zb, plan_step(zb)), dry_run(base, plan_step(base))
     assert zb_run.makespan <= base_run.makespan
     assert base_run.makespan == 3 * (m + pp - 1)
     if m >= pp:
@@ -219,16 +220,16 @@ def test_zero_bubble_is_no_slower_than_one_f_one_b_on_random_costs(
     f, i, w = times
     costs = Costs(forward=f, input_grad=i, weight_grad=w, comm=comm)
     zb, base = layout(pp, m, ScheduleKind.ZERO_BUBBLE), layout(pp, m, ScheduleKind.ONE_F_ONE_B)
-    assert simulate(zb, plan_step(zb), costs).makespan <= (
-        simulate(base, plan_step(base), costs).makespan + 1e-9
+    assert dry_run(zb, plan_step(zb), costs).makespan <= (
+        dry_run(base, plan_step(base), costs).makespan + 1e-9
     )
 
 
 def test_interleaving_shrinks_the_bubble() -> None:
     base = layout(4, 8, ScheduleKind.ONE_F_ONE_B)
     interleaved = layout(4, 8, ScheduleKind.INTERLEAVED, virtual_stages=2)
-    base_run = simulate(base, plan_step(base), unit_stage_costs(1))
-    interleaved_run = simulate(interleaved, plan_step(interleaved), unit_stage_costs(2))
+    base_run = dry_run(base, plan_step(base), unit_stage_costs(1))
+    interleaved_run = dry_run(interleaved, plan_step(interleaved), unit_stage_costs(2))
     assert interleaved_run.makespan < base_run.makespan
     # Megatron's bubble: (pp - 1)(F + B) / v, here 3 * 3 / 2 units on top of 3 * 8.
     assert interleaved_run.makespan == pytest.approx(24 + 4.5)
@@ -274,7 +275,7 @@ def test_fifo_consistency_sees_crossed_messages() -> None:
     )
     assert not fifo_consistent(crossed)
     # Matching by tag, the runtime still runs it: only the order of receives differs.
-    assert not simulate(LAY_2x2, crossed).deadlock
+    assert not dry_run(LAY_2x2, crossed).deadlock
 
 
 def test_fifo_consistency_needs_every_send_received() -> None:

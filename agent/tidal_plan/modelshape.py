@@ -1,0 +1,241 @@
+"""The model's shape and what each placement unit counts: parameters, FLOPs, activation bytes.
+
+Device-free arithmetic on ``ModelShape`` (the GPT of ``tidal_agent.model``, dense or MoE), and
+the shapes of FlexTrain's Small / Medium / Large models. ``tidal_plan.costmodel`` turns these
+counts into seconds and bytes on a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """The shape of the GPT model of ``tidal_agent.model``, optionally with MoE blocks.
+
+    With ``experts > 0`` every block's MLP becomes a router (``d_model x experts``, no bias)
+    plus ``experts`` routed and ``shared_experts`` always-on experts, each an MLP
+    ``d_model -> expert_hidden -> d_model`` with biases; a token runs ``top_k`` routed experts
+    and all shared ones. ``mlp_ratio`` only applies to dense blocks.
+    """
+
+    layers: int
+    d_model: int
+    heads: int
+    vocab: int
+    seq_len: int
+    mtp_heads: int = 0
+    mlp_ratio: int = 4
+    experts: int = 0
+    top_k: int = 0
+    expert_hidden: int | None = None
+    shared_experts: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "d_model", "heads", "vocab", "seq_len", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelShape.{name} ({getattr(self, name)}) must be at least 1")
+        if self.mtp_heads < 0:
+            raise ValueError(f"ModelShape.mtp_heads ({self.mtp_heads}) must be non-negative")
+        if self.d_model % self.heads:
+            raise ValueError(
+                f"heads ({self.heads}) must divide d_model ({self.d_model}): pick a divisor"
+            )
+        if self.experts < 0 or self.shared_experts < 0:
+            raise ValueError("experts and shared_experts must be non-negative")
+        if self.experts == 0:
+            if self.top_k or self.shared_experts or self.expert_hidden is not None:
+                raise ValueError(
+                    "top_k, shared_experts and expert_hidden describe MoE blocks: set experts "
+                    "> 0 or leave them at their defaults for a dense model"
+                )
+            return
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) must be between 1 and experts ({self.experts})"
+            )
+        if self.expert_hidden is None or self.expert_hidden < 1:
+            raise ValueError("an MoE model needs expert_hidden, the FFN width of one expert")
+
+    @property
+    def num_units(self) -> int:
+        return self.layers + 2 + self.mtp_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def unit_kind(self, unit: int) -> str:
+        """``embed``, ``block`` or ``head`` (the LM head and every MTP head)."""
+        if not 0 <= unit < self.num_units:
+            raise ValueError(f"unit {unit} is outside the model's {self.num_units} units")
+        if unit == 0:
+            return "embed"
+        return "block" if unit <= self.layers else "head"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitFlops:
+    """Matmul FLOPs of one unit for some number of tokens, per backward half."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+
+
+# --- parameters ----------------------------------------------------------------------------------
+
+
+def _expert_params(d: int, hidden: int) -> int:
+    return 2 * d * hidden + hidden + d  # fc1 weight + bias, fc2 weight + bias
+
+
+def _attention_params(d: int) -> int:
+    return 4 * d * d + 4 * d  # qkv (3d^2 + 3d) + proj (d^2 + d)
+
+
+def _mlp_params(shape: ModelShape, *, active: bool) -> int:
+    d = shape.d_model
+    if not shape.is_moe:
+        return _expert_params(d, shape.mlp_ratio * d)
+    routed = shape.top_k if active else shape.experts
+    hidden = shape.expert_hidden or 0  # never 0 here: ModelShape insists on it for MoE
+    router = d * shape.experts  # every token scores every expert
+    return router + (routed + shape.shared_experts) * _expert_params(d, hidden)
+
+
+def _unit_params(shape: ModelShape, unit: int, *, active: bool) -> int:
+    d = shape.d_model
+    kind = shape.unit_kind(unit)
+    if kind == "embed":
+        return (shape.vocab + shape.seq_len) * d  # wte + wpe
+    if kind == "head":
+        return 2 * d + d * shape.vocab  # LayerNorm + projection without bias
+    return 4 * d + _attention_params(d) + _mlp_params(shape, active=active)  # 2 LayerNorms
+
+
+def unit_params(shape: ModelShape, unit: int) -> int:
+    """Parameters of ``unit``, every expert counted."""
+    return _unit_params(shape, unit, active=False)
+
+
+def unit_active_params(shape: ModelShape, unit: int) -> int:
+    """Parameters one token touches in ``unit``: ``top_k`` routed plus the shared experts.
+
+    The embedding counts whole, as parameter counts usually do, although a token reads one row.
+    """
+    return _unit_params(shape, unit, active=True)
+
+
+def total_params(shape: ModelShape) -> int:
+    return sum(unit_params(shape, u) for u in range(shape.num_units))
+
+
+def active_params(shape: ModelShape) -> int:
+    return sum(unit_active_params(shape, u) for u in range(shape.num_units))
+
+
+def unit_expert_params(shape: ModelShape, unit: int) -> int:
+    """Parameters of ``unit``'s routed experts, the part expert parallelism shards."""
+    if shape.unit_kind(unit) != "block" or not shape.is_moe:
+        return 0
+    return shape.experts * _expert_params(shape.d_model, shape.expert_hidden or 0)
+
+
+# --- FLOPs ---------------------------------------------------------------------------------------
+
+
+def unit_flops(shape: ModelShape, unit: int, tokens: int) -> UnitFlops:
+    """Matmul FLOPs of ``unit`` over ``tokens`` tokens (micro-batch size x seq_len).
+
+    Assumptions: a matmul with ``P`` weights costs ``2 P`` FLOPs per token forward, ``2 P`` for
+    the input gradient and ``2 P`` for the weight gradient; biases, LayerNorms, GELU, softmax
+    and the router's top-k are counted as if they were weights too (well under 1%). Causal
+    attention adds ``QK^T`` and ``AV``, each ``2 seq d`` per token, halved by the mask:
+    ``2 seq d`` per token forward and twice that for the input gradient (dQ, dK from dS; dV,
+    dS from dO); it has no weights. The embedding is a lookup: no FLOPs, no input gradient,
+    and its scatter-add weight gradient is counted as free.
+    """
+    if tokens < 0:
+        raise ValueError(f"tokens ({tokens}) must be non-negative")
+    if shape.unit_kind(unit) == "embed":
+        return UnitFlops(forward=0.0, input_grad=0.0, weight_grad=0.0)
+    linear = 2.0 * unit_active_params(shape, unit) * tokens
+    attention = 0.0
+    if shape.unit_kind(unit) == "block":
+        attention = 2.0 * shape.seq_len * shape.d_model * tokens
+    return UnitFlops(
+        forward=linear + attention, input_grad=linear + 2 * attention, weight_grad=linear
+    )
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+def unit_activation_bytes(
+    shape: ModelShape,
+    unit: int,
+    micro_batch_size: int,
+    dtype_bytes: int,
+    *,
+    flash_attention: bool = True,
+) -> float:
+    """Bytes one micro-batch's forward of ``unit`` keeps until its backward frees them.
+
+    Blocks follow Korthikanti et al. (2022), no recomputation, no tensor or sequence
+    parallelism: per token ``d (34 + 5 heads seq / d)`` bytes in 16-bit, of which attention
+    keeps ``11 d`` (qkv input, Q, K, V, proj input, dropout mask), the two LayerNorms ``4 d``
+    and the MLP ``19 d`` (fc1 input ``2 d``, GELU input and output ``2 r d`` each, a dropout
+    mask ``d``). An MoE MLP keeps one input copy per expert a token visits plus GELU input and
+    output at ``expert_hidden`` per visit. ``flash_attention`` (SDPA, as our model runs on
+    GPU) drops the ``5 heads seq^2`` attention-score term. Everything scales by
+    ``dtype_bytes / 2``. A loss head keeps its LayerNorm and projection inputs and the logits;
+    the embedding keeps only the token ids.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) must be at least 1")
+    tokens = micro_batch_size * shape.seq_len
+    d = shape.d_model
+    kind = shape.unit_kind(unit)
+    if kind == "embed":
+        return float(tokens * 8)  # int64 ids for the scatter-add of the weight gradient
+    if kind == "head":
+        return float(tokens * (2 * d + shape.vocab) * dtype_bytes)
+    if shape.is_moe:
+        visits = shape.top_k + shape.shared_experts
+        mlp = 1 + visits * (2 + 4 * (shape.expert_hidden or 0) / d)
+    else:
+        mlp = 3 + 4 * shape.mlp_ratio  # 19 at mlp_ratio 4
+    per_token = d * (11 + 4 + mlp)
+    if not flash_attention:
+        per_token += 5 * shape.heads * shape.seq_len
+    return tokens * per_token * dtype_bytes / 2
+
+
+# --- FlexTrain's configurations -----------------------------------------------------------------
+
+# The Small / Medium / Large models of FlexTrain (MLSys 2026), table "Real-world tests": layers,
+# MTP heads and sequence length from the slides, the rest chosen here so that the parameter
+# counts (embedding, blocks, LM and MTP heads all included) land near the slides' active/total
+# figures; DeepSeek-V3's vocabulary. Global batch sizes (in sequences) are in FLEXTRAIN_BATCH.
+# Counts with this module's formulas (active / total): small 1.002B / 7.026B, medium
+# 6.084B / 61.57B, large 29.85B / 594.2B. The blocks are MoE throughout (no dense first layers)
+# with standard multi-head attention and learned positions, so the attention share differs
+# from DeepSeek-V3's MLA.
+_DEEPSEEK_VOCAB = 129280
+FLEXTRAIN: dict[str, ModelShape] = {
+    "small": ModelShape(
+        layers=15, d_model=1536, heads=12, vocab=_DEEPSEEK_VOCAB, seq_len=8192, mtp_heads=2,
+        experts=256, top_k=1, expert_hidden=512, shared_experts=1,
+    ),
+    "medium": ModelShape(
+        layers=29, d_model=3072, heads=24, vocab=_DEEPSEEK_VOCAB, seq_len=32768, mtp_heads=2,
+        experts=160, top_k=8, expert_hidden=2048, shared_experts=1,
+    ),
+    "large": ModelShape(
+        layers=61, d_model=7168, heads=56, vocab=_DEEPSEEK_VOCAB, seq_len=8192, mtp_heads=2,
+        experts=256, top_k=4, expert_hidden=2560, shared_experts=2,
+    ),
+}
+FLEXTRAIN_BATCH = {"small": 1024, "medium": 256, "large": 768}

@@ -1,0 +1,128 @@
+"""Contiguous partitions of the placement units into stages, for the search to price.
+
+Partitions may be uneven (FlexTrain's No-Op insertion): besides the even split by unit count,
+one balances stage time (an embedding costs almost nothing, an LM or MTP head as much as
+several blocks) and one balances time under the memory cap, with each stage charged for the
+micro-batches its schedule keeps in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tidal_plan.costmodel import UnitCosts
+from tidal_plan.layout import ScheduleKind, even_partition
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """What a unit costs the stage that holds it: its state, plus its activations for each
+    micro-batch the stage keeps in flight (a stage may keep more than another)."""
+
+    state: Sequence[float]  # per unit
+    activation: Sequence[float]  # per unit, one micro-batch
+    in_flight: Sequence[float]  # per stage
+
+
+def _pack(
+    seconds: Sequence[float],
+    memory: StageMemory | None,
+    stages: int,
+    limit: float,
+    cap: float,
+) -> tuple[int, ...] | None:
+    """Greedy contiguous packing: each stage takes units while its seconds stay within
+    ``limit`` and its memory within ``cap``.
+
+    Returns ``stages`` stage sizes, or None when the limits cannot be met. Packing each stage as
+    full as possible is optimal for feasibility (a later boundary never hurts later stages), and
+    leaves one unit for each stage still to come.
+    """
+    n = len(seconds)
+    state, activation = (memory.state, memory.activation) if memory else ((0.0,) * n,) * 2
+    sizes, unit = [], 0
+    for stage in range(stages):
+        end = n - (stages - stage - 1)
+        held = memory.in_flight[stage] if memory else 0.0
+        time = mem = 0.0
+        j = unit
+        while j < end:
+            t, m = seconds[j], state[j] + activation[j] * held
+            if j > unit and (time + t > limit or mem + m > cap):
+                break
+            time, mem, j = time + t, mem + m, j + 1
+        if time > limit or mem > cap:
+            return None
+        sizes.append(j - unit)
+        unit = j
+    return tuple(sizes) if unit == n else None
+
+
+def balanced_partition(
+    seconds: Sequence[float],
+    stages: int,
+    memory: StageMemory | None = None,
+    memory_cap: float = float("inf"),
+) -> tuple[int, ...] | None:
+    """Contiguous stages minimising the slowest stage's seconds, each stage's memory capped.
+
+    None if no partition fits.
+    """
+    n = len(seconds)
+    if not 1 <= stages <= n:
+        return None
+
+    def feasible(limit: float) -> tuple[int, ...] | None:
+        return _pack(seconds, memory, stages, limit, memory_cap)
+
+    hi = sum(seconds) + 1e-30
+    best = feasible(hi)
+    if best is None:
+        return None
+    lo = max(seconds)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        found = feasible(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+        if hi - lo <= 1e-6 * hi:
+            break
+    return best
+
+
+def in_flight(kind: ScheduleKind, pp: int, rank: int, m: int, v: int) -> float:
+    """Micro-batches whose activations a stage on ``rank`` keeps at its peak (approximate)."""
+    if kind is ScheduleKind.GPIPE:
+        return m
+    if kind is ScheduleKind.ZERO_BUBBLE:
+        return min(m, pp)
+    if kind is ScheduleKind.INTERLEAVED:
+        return min(m, ((v - 1) * pp + 2 * (pp - rank - 1) + 1) / v)
+    return min(m, pp - rank)
+
+
+def candidate_partitions(
+    units: Sequence[UnitCosts], kind: ScheduleKind, pp: int, v: int, m: int, memory_cap: float
+) -> list[tuple[int, ...]]:
+    """Even, time-balanced and memory-capped time-balanced partitions, without repeats."""
+    stages = pp * v
+    seconds = [u.seconds for u in units]
+    held = [in_flight(kind, pp, rank, m, v) for rank in range(pp)]
+    memory = StageMemory(
+        state=[u.state_bytes for u in units],
+        activation=[u.activation_bytes for u in units],
+        in_flight=[held[stage % pp] for stage in range(stages)],
+    )
+    found = [
+        even_partition(len(units), stages),
+        balanced_partition(seconds, stages),
+        balanced_partition(seconds, stages, memory, memory_cap / v),
+    ]
+    out: list[tuple[int, ...]] = []
+    for partition in found:
+        if partition is not None and partition not in out:
+            out.append(partition)
+    return out
