@@ -1,4 +1,9 @@
-"""The ``tidal`` command line."""
+"""The ``tidal`` command line.
+
+The commands import the trainer (tidal_agent, torch) when they run, not with this module:
+``tidal agent`` sets ``OMP_NUM_THREADS`` before torch loads (part of the determinism contract),
+and ``tidal plan`` and ``--help`` need no torch.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tidal_api import ElasticTrainingJob, JobSpecError, parse_job
+from tidal_plan.devices import DeviceError, load_device
 from tidal_plan.elastic import ScheduleError, parse_worker_schedule
 from tidal_plan.layout import LayoutError, ScheduleKind
+from tidal_plan.planner import LayoutPlanner, plan_flextrain, plan_job
+from tidal_plan.profiled import ProfileError, load_profile
 
 _console = Console(stderr=True)
 
@@ -74,7 +82,7 @@ def main() -> None:
 @click.option("--profile", "profile_out", type=click.Path(dir_okay=False), help="Profile steps 3-7 online (1 to the last in shorter runs) and write per-unit costs (JSON) here.")
 @click.option("--resume", help="Resume from a checkpoint directory, or 'latest' under spec.checkpoint.path.")
 @click.option("--plan-profile", "plan_profile", type=click.Path(dir_okay=False), help="Plan layouts from this online profile (default: the modeling-based predictor).")
-@click.option("--plan-device", default="cpu", show_default=True, help="Device description for the modeling-based predictor: h100, cpu or a JSON file.")
+@click.option("--plan-device", default="cpu", show_default=True, help="Device description for the modeling-based predictor: h100, cpu or a JSON file (cpu: what the workers here train on; tidal plan's default is h100).")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent worker is an error.")
 def run(job_file, workers, steps, report, schedule, partition, workers_schedule, bucket_mib,
         profile_out, resume, plan_profile, plan_device, timeout_s) -> None:
@@ -95,10 +103,6 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
         run_elastic,
         run_local,
     )
-    from tidal_plan.devices import DeviceError, load_device
-    from tidal_plan.planner import LayoutPlanner
-    from tidal_plan.profiled import ProfileError, load_profile
-
     from tidal_agent.worker import profile_window
 
     if profile_out:
@@ -113,9 +117,9 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
         job = load_job(job_file)
         workers = workers or job.spec.workers.min
         steps = steps or job.spec.training.steps
+        device = load_device(plan_device)
         planner = LayoutPlanner(
-            job, load_device(plan_device),
-            load_profile(plan_profile) if plan_profile else None,
+            job, device, load_profile(plan_profile) if plan_profile else None,
         )
         forced = schedule is not None or partition is not None
         choose = None if forced else (lambda n, dp: planner.layout(n, dp)[0])
@@ -149,7 +153,7 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     for gen, lay, pred in zip(gens, layouts, predicted, strict=True):
         _console.print(
             f"  from step {gen.at_step:5d}: {len(gen.members)} workers, {lay.describe()} "
-            f"({how}, predicted {pred * 1e3:.1f} ms/step)"
+            f"({how}, predicted {pred * 1e3:.1f} ms/step on device {device.name})"
         )
     columns = (
         TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -220,7 +224,7 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False), required=False)
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False), help="An online profile (tidal run --profile): the profiling-based predictor chooses, the modeling-based one checks.")
-@click.option("--device", default="h100", show_default=True, help="h100, cpu, or a JSON file of Device fields: peaks for the modeling-based predictor and the memory cap.")
+@click.option("--device", default="h100", show_default=True, help="h100, cpu, or a JSON file of Device fields: peaks for the modeling-based predictor and the memory cap (tidal run plans for cpu, what its workers train on).")
 @click.option("--flextrain", type=click.Choice(["small", "medium", "large"]), help="Plan a FlexTrain configuration of the slides instead of JOB_FILE.")
 @click.option("--elastic", type=click.Choice(["pp", "dp-pp"]), default="pp", show_default=True, help="With --flextrain: scale PP only (DP fixed) or DP and PP.")
 @click.option("--max-disagreement", type=click.FloatRange(min=0), default=0.25, show_default=True, help="Drop rows whose speedup the two predictors put further apart (a ratio).")
@@ -233,10 +237,6 @@ def plan(job_file, profile_path, device, flextrain, elastic, max_disagreement, a
     seconds, tokens/s and peak memory, and its speedup over the smallest row; worker counts not
     worth running are listed with the reason they were dropped.
     """
-    from tidal_plan.devices import DeviceError, load_device
-    from tidal_plan.planner import plan_flextrain, plan_job
-    from tidal_plan.profiled import ProfileError, load_profile
-
     if (job_file is None) == (flextrain is None):
         raise click.ClickException("give either JOB_FILE or --flextrain NAME")
     try:
@@ -269,7 +269,8 @@ def plan(job_file, profile_path, device, flextrain, elastic, max_disagreement, a
 def _print_table(table) -> None:
     from rich.table import Table
 
-    view = Table(title=f"{table.job}: scale table ({table.source} predictor, {table.device})")
+    view = Table(title=f"{table.job}: scale table ({table.source} predictor, device "
+                       f"{table.device})")
     for name in ("workers", "GPUs", "dp", "pp", "partition", "schedule", "micro-batches",
                  "step s", "tokens/s", "peak GiB", "speedup"):
         view.add_column(name, justify="left" if name in ("partition", "schedule") else "right")
@@ -317,9 +318,9 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
     os.environ["OMP_NUM_THREADS"] = str(threads)  # before torch loads: part of determinism
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request otherwise
-    from tidal_agent.control import ControlError, PodIdentity, run_agent
-    from tidal_agent.worker import LeaderLost
-    from tidal_plan.devices import DeviceError
+    from tidal_agent.link import ControlError
+    from tidal_agent.pod import PodIdentity, run_agent
+    from tidal_agent.protocol import LeaderLost
 
     if backend == "auto":
         import torch
@@ -361,10 +362,15 @@ def data_synth(out: str, tokens: int, vocab: int, seed: int) -> None:
 
     from tidal_agent.data import SyntheticCorpus, write_token_file
 
+    if not Path(out).parent.is_dir():  # said before the tokens are drawn, not after
+        raise click.ClickException(f"{out}: the directory {Path(out).parent} does not exist")
     row = 1024
     corpus = SyntheticCorpus(vocab=vocab, sample_len=row, seed=seed)
     chains = corpus.samples(0, np.arange(-(-tokens // row)))
-    write_token_file(out, chains.reshape(-1)[:tokens])
+    try:
+        write_token_file(out, chains.reshape(-1)[:tokens])
+    except OSError as err:
+        raise click.ClickException(f"{out}: {err.strerror}") from None
     _console.print(f"wrote {tokens:,} tokens (vocab {vocab}) to {out}")
 
 

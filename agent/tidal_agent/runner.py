@@ -24,6 +24,8 @@ from typing import Any
 import torch.distributed as dist
 
 from tidal_agent import sharing
+from tidal_agent.events import (Checkpointed, Failed, Finished, Left, Listener, Profiled, Ready,
+                                Reconfigured, Released, Stepped)
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
 from tidal_agent.trainer import model_config, params_sha256
@@ -198,8 +200,11 @@ def _add_sharing(profile_path: str, job: ElasticTrainingJob, threads: int) -> No
     path.write_text(json.dumps(profile, indent=2) + "\n")
 
 
-class _Collected:
-    def __init__(self) -> None:
+class _Collected(Listener):
+    """What the workers' events say, as the run's report needs it; a failure stops the run."""
+
+    def __init__(self, procs, on_step: StepCallback | None) -> None:
+        self.procs, self.on_step = procs, on_step
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
         self.releases: list[dict[str, Any]] = []
@@ -207,49 +212,61 @@ class _Collected:
         self.ready_at: float | None = None  # when the last worker reported ready
         self.profile: str | None = None  # where the leader wrote the online profile
         self.digests: dict[int, tuple[str, str]] = {}
+        self.finished: set[str] = set()  # workers done or gone
+        self._ready: set[str] = set()
+
+    def on_failed(self, event: Failed) -> None:
+        lost = _lost_worker(self.procs, self.finished, besides=event.worker)
+        _stop(self.procs)
+        me = event.worker
+        cause = f"{me} then failed: {event.error}" if lost else f"{me} failed: {event.error}"
+        raise RunError(f"{lost + '; ' if lost else ''}{cause}\n{event.traceback}")
+
+    def on_stepped(self, event: Stepped) -> None:
+        record = event.record()
+        self.steps.append(record)
+        if self.on_step is not None:
+            self.on_step(record)
+
+    def on_reconfigured(self, event: Reconfigured) -> None:
+        self.reconfigurations.append(event.record())
+
+    def on_released(self, event: Released) -> None:
+        self.releases.append({"worker": event.worker, **event.record()})
+
+    def on_checkpointed(self, event: Checkpointed) -> None:
+        self.checkpoints.append(event.record())
+
+    def on_profiled(self, event: Profiled) -> None:
+        self.profile = event.path
+
+    def on_finished(self, event: Finished) -> None:
+        self.digests.update(event.digests)
+        self.finished.add(event.worker)
+
+    def on_left(self, event: Left) -> None:
+        self.finished.add(event.worker)
+
+    def on_ready(self, event: Ready) -> None:
+        self._ready.add(event.worker)
+        if len(self._ready) == len(self.procs):
+            self.ready_at = time.perf_counter()
 
 
 def _collect(procs, events, on_step: StepCallback | None, timeout_s: float) -> _Collected:
     """Read worker events until every worker has finished or left; fail fast on any error."""
-    out = _Collected()
-    finished: set[str] = set()
-    ready: set[str] = set()
+    out = _Collected(procs, on_step)
     last_event = time.monotonic()
-    while len(finished) < len(procs):
+    while len(out.finished) < len(procs):
         try:
-            kind, me, payload, *detail = events.get(timeout=0.5)
+            event = events.get(timeout=0.5)
         except queue.Empty:
-            _check_alive(procs, finished)
+            _check_alive(procs, out.finished)
             if time.monotonic() - last_event > timeout_s:
                 raise RunError(f"no progress from any worker for {timeout_s:.0f} s") from None
             continue
         last_event = time.monotonic()
-        if kind == "error":
-            lost = _lost_worker(procs, finished, besides=me)
-            _stop(procs)
-            cause = f"{me} then failed: {payload}" if lost else f"{me} failed: {payload}"
-            raise RunError(f"{lost + '; ' if lost else ''}{cause}\n{detail[0] if detail else ''}")
-        if kind == "step":
-            out.steps.append(payload)
-            if on_step is not None:
-                on_step(payload)
-        elif kind == "reconfig":
-            out.reconfigurations.append(payload)
-        elif kind == "released":
-            out.releases.append({"worker": me, **payload})
-        elif kind == "checkpoint":
-            out.checkpoints.append(payload)
-        elif kind == "profile":
-            out.profile = payload
-        elif kind == "done":
-            out.digests.update(payload)
-            finished.add(me)
-        elif kind == "left":
-            finished.add(me)
-        elif kind == "ready":
-            ready.add(me)
-            if len(ready) == len(procs):
-                out.ready_at = time.perf_counter()
+        out.put(event)
     return out
 
 
@@ -289,7 +306,8 @@ def elastic_plan(
 ) -> tuple[list[Generation], list[Layout]]:
     """Generations and their layouts for a worker schedule like [(0, 2), (4, 3)].
 
-    dp follows ``tidal_plan.elastic.data_parallel_degree`` (1 in strict mode). ``choose(workers, dp)`` (the planner) picks each layout where given; otherwise the units
+    dp follows ``tidal_plan.elastic.data_parallel_degree`` (1 in strict mode).
+    ``choose(workers, dp)`` (the planner) picks each layout where given; otherwise the units
     are split evenly under the spec's schedule (or ``kind``).
     """
     gens = generations(schedule)

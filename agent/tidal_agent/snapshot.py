@@ -3,9 +3,10 @@
 At every step boundary each member of a world copies its training state (everything
 ``Trainer.state_tensors`` holds: parameters, AdamW moments and step; data, learning rate and
 dropout are functions of the step) into one flat buffer, and sends that copy to the next
-member of the world, its *keeper* (``members[(rank + 1) % size]``), while it receives the copy
-of the member before it, its *ward*. So every member's state at that boundary lives on two
-workers, and losing one worker (or several, none next to another in the ring) loses none of it.
+member of the world, its *keeper* (``members[(rank + 1) % size]``, the rule of
+tidal_plan.keepers), while it receives the copy of the member before it, its *ward*. So every
+member's state at that boundary lives on two workers, and losing one worker (or several, none
+next to another in the ring) loses none of it.
 
 A worker keeps its two newest own copies and its ward's two newest complete ones. Two, because
 the members of a failed step may stand at different boundaries: one that finished the step
@@ -168,11 +169,6 @@ class PeerSnapshots:
     def clear(self) -> None:
         self.own.clear()
         self.ward.clear()
-
-
-def keepers(members: Sequence[str]) -> dict[str, str]:
-    """Each member's keeper: the next member of the ring, which holds its copy (``take``)."""
-    return {m: members[(i + 1) % len(members)] for i, m in enumerate(members)}
 
 
 def state_index(metas: Sequence[TensorMeta], placement: Placement,

@@ -1,9 +1,12 @@
 """A worker process: trains its share of each generation it belongs to, and switches live.
 
-Events go back to the launcher on a queue: per-step results and reconfiguration timings from
-the leader (``worker-0``, rank 0 of every world), checkpoint paths, parameter digests from
-every final member, ``released`` (how long after its last step it was free to go) and ``left``
-from a worker released by a shrink, and an error line from a worker that fails.
+Its generations come from a ``GenerationSource`` (tidal_agent.protocol): a schedule known in
+advance (``tidal run``) or the operator's targets (tidal_agent.generations, ``tidal agent``); the
+training loop is the same for both. Its events (tidal_agent.events) go to the launcher's queue
+or the leader's report: per-step results and reconfiguration timings from the leader
+(``worker-0``, rank 0 of every world), checkpoint paths, parameter digests from every final
+member, ``Released`` (how long after its last step it was free to go) and ``Left`` from a worker
+released by a shrink, and ``Failed`` from a worker that fails.
 
 A switch to generation g+1 happens between two steps, at the same step on every member. The
 world of g+1 is built in a background thread while generation g trains; joiners wait in it
@@ -12,13 +15,8 @@ one when growing, the old one when shrinking), then leavers exit and the others 
 may announce a shrink for the boundary it is announced at (the operator's does: a pending pod
 waits for the leavers' GPUs); its smaller world is then built during the pause, while the
 leavers hand their state over. With peer snapshots, a shrink whose leavers' keepers all stay
-lets the leavers go at the boundary, their state sent by their keepers from the copies they
-hold (as on the fault path).
-
-Where generations come from is a ``GenerationSource``: a schedule known in advance
-(``StaticGenerations``, ``tidal run``) or the operator's targets, announced through the
-rendezvous store at run time (``tidal_agent.control.ControlledGenerations``, ``tidal agent``).
-The training loop is the same for both.
+(tidal_plan.keepers) lets the leavers go at the boundary, their state sent by their keepers
+from the copies they hold (as on the fault path).
 
 The fault path: when a step or a switch fails (a member died: its sockets closed, or a peer's
 did), the worker closes every world it holds, so members still blocked on it fail too, and asks
@@ -27,8 +25,9 @@ lost worker; ``--resume`` continues); the operator's source agrees with the othe
 generation without the lost members. With peer snapshots (``WorkerOptions.peer_snapshots``:
 every member copies its state at each step boundary and its ring neighbour keeps a copy too,
 ``tidal_agent.snapshot``) the survivors rebuild the state of the newest boundary they hold
-whole and replay only the step in flight; else they resume from the job's last complete
-checkpoint (from step 0 without one) and replay the steps since; bit for bit in strict mode.
+whole and replay only the step in flight (tidal_agent.recovery); else they resume from the
+job's last complete checkpoint (from step 0 without one) and replay the steps since; bit for
+bit in strict mode.
 
 The leader hosts the rendezvous, so the job cannot go on without it. Asked to stop (SIGTERM),
 it halts the job at its next step boundary instead (``Halt``): every member saves a checkpoint
@@ -36,6 +35,11 @@ of that boundary and exits, and the operator restarts the job, whose first gener
 from the newest complete checkpoint (``GenerationSource.resume_from``). A leader lost unasked
 takes the store with it (``LeaderLost``): the other members save what their peer snapshots
 hold instead (``rescue``), so the restart loses no more than the step in flight.
+
+The module stays whole (past 400 lines): training, switching, halting and recovering are one
+state machine over one trainer, world and step, which every path hands on to the next; the
+state moves of the fault path (tidal_agent.recovery), the switch's data path
+(tidal_agent.switch) and the snapshots (tidal_agent.snapshot) live apart.
 """
 
 from __future__ import annotations
@@ -52,137 +56,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 
 from tidal_agent import checkpoint
-from tidal_agent.model import global_parameter_names
+from tidal_agent.calibrate import calibrate_trainer, time_collectives
+from tidal_agent.events import (Checkpointed, EventSink, Failed, Finished, Halted, Left,
+                                Profiled, Ready, Reconfigured, Recovered, Released, Stepped)
 from tidal_agent.optim import ClipMode
-from tidal_agent.profiler import UnitProfiler, build_profile, calibrate_trainer, time_collectives
-from tidal_agent.snapshot import Cut, PeerSnapshots, keepers
-from tidal_agent.switch import (TransferStats, carry_over, execute_reshard, incoming,
-                                state_metadata, state_shapes)
+from tidal_agent.profiler import UnitProfiler, build_profile
+from tidal_agent.protocol import GenerationSource, Halt, LeaderLost, Recovery, StaticGenerations
+from tidal_agent.recovery import rebuild, save_cut
+from tidal_agent.snapshot import Cut, PeerSnapshots
+from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer, model_config
 from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world, drop_default_group
 from tidal_api import JobSpec, keys
 from tidal_plan.elastic import Generation
+from tidal_plan.keepers import keepers, keepers_stay
 from tidal_plan.layout import Layout
 from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
 
 log = logging.getLogger("tidal.agent")
-
-STOPPED = keys.STOPPED_EXIT_CODE
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Recovery:
-    """Where the survivors of a failed generation go on: agreed on by all of them."""
-
-    generation: Generation  # the survivors; at_step is the step training resumes at
-    world: str  # the name of its world: a fresh one for every recovery
-    checkpoint: str | None  # the checkpoint to load (saved at at_step)
-    failed_at: int  # the step (or switch boundary) the leader was at when it failed
-    lost: tuple[str, ...]  # the members that did not survive
-    snapshot: Cut | None = None  # the peer snapshots to rebuild from (at at_step)
-    left: tuple[str, ...] = ()  # of the lost, those that left when asked to stop (SIGTERM)
-    # neither checkpoint nor snapshot: start afresh from step 0
-
-
-class LeaderLost(RuntimeError):
-    """The rendezvous store is gone, so its host, the leader, is lost: the job cannot go on."""
-
-
-@dataclass(frozen=True, slots=True)
-class Halt:
-    """The job stops at the boundary before ``step``: its leader was asked to stop. Every
-    member saves a checkpoint of that boundary (where the job has a checkpoint path), for the
-    restart to start from, and leaves."""
-
-    step: int
-
-
-class GenerationSource(Protocol):
-    """Where a worker learns which generation it belongs to, and when the next one starts.
-
-    Every member of a generation calls ``following`` at each step boundary until it returns
-    the next generation, with the same ``step`` on every member, so all of them learn of it at
-    the same boundary and switch at its ``at_step`` (that boundary, or a later one).
-    """
-
-    @property
-    def leader(self) -> str:
-        """The stable leader: rank 0 of every world; it reports steps and switches."""
-
-    def start(self, me: str) -> tuple[Generation, Generation | None] | None:
-        """The generation ``me`` first trains in and the one before it (None for the first
-        generation); None if ``me`` is let go without ever training."""
-
-    @property
-    def resume_from(self) -> str | None:
-        """The checkpoint the first generation loads, once ``start`` has returned it (None:
-        it starts from the seed at its ``at_step``)."""
-
-    def layout(self, gen: Generation) -> Layout:
-        """The layout of a generation this worker has heard of."""
-
-    def following(self, gen: Generation, step: int) -> Generation | Halt | None:
-        """At the boundary before ``step``: the generation after ``gen`` if it is known, or
-        ``Halt`` if the job stops there."""
-
-    def recover(self, me: str, trained: Generation, step: int, error: Exception,
-                held: dict[str, Any] | None = None) -> Recovery | None:
-        """``me`` failed at ``step`` in generation ``trained`` with ``error``, holding the peer
-        snapshots ``held`` describes (``PeerSnapshots.summary``): where the survivors go on
-        (None if ``me`` is not one of them). Raises ``error`` when training cannot go on:
-        nothing to recover with, or no member was lost (a bug, not a fault)."""
-
-    def depart(self, me: str, step: int) -> None:
-        """``me``, asked to stop, leaves at the boundary before ``step`` unasked by any
-        target: the others lose it and go on without waiting for its silence."""
-
-    def rescue(self, me: str, trained: Generation,
-               held: dict[str, Any] | None) -> tuple[Generation, Cut, Any] | None:
-        """The leader is lost (``recover`` raised ``LeaderLost``): the generation whose world
-        the other members of ``trained`` save the newest boundary their peer snapshots hold
-        whole in (``held``: this one's ``PeerSnapshots.summary``), that cut, and a store to
-        build the world on; None if they cannot."""
-
-
-@dataclass(frozen=True, slots=True)
-class StaticGenerations:
-    """A membership schedule known in advance: every generation and its layout."""
-
-    generations: tuple[Generation, ...]
-    layouts: tuple[Layout, ...]  # one per generation
-    resume_from: str | None = None  # a checkpoint directory (tidal run --resume)
-
-    @property
-    def leader(self) -> str:
-        return self.generations[0].members[0]
-
-    def start(self, me: str) -> tuple[Generation, Generation | None]:
-        gen = next(g for g in self.generations if me in g.members)
-        return gen, self.generations[gen.index - 1] if gen.index else None
-
-    def layout(self, gen: Generation) -> Layout:
-        return self.layouts[gen.index]
-
-    def following(self, gen: Generation, step: int) -> Generation | None:
-        nxt = gen.index + 1
-        return self.generations[nxt] if nxt < len(self.generations) else None
-
-    def recover(self, me: str, trained: Generation, step: int, error: Exception,
-                held: dict[str, Any] | None = None) -> Recovery | None:
-        raise error  # the launcher names the lost worker; --resume goes on without it
-
-    def depart(self, me: str, step: int) -> None:
-        raise RuntimeError(f"{me}: a static schedule has no departures (tidal run stops "
-                           "its workers itself)")
-
-    def rescue(self, me: str, trained: Generation,
-               held: dict[str, Any] | None) -> tuple[Generation, Cut, Any] | None:
-        return None  # the launcher hosts the store and stops every worker
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,25 +113,27 @@ def profile_window(steps: int) -> tuple[int, int]:
     return max(1, last - 5), last
 
 
-def worker_main(me: str, spec_json: str, opts: WorkerOptions, events) -> None:
+def worker_main(me: str, spec_json: str, opts: WorkerOptions, events: EventSink) -> None:
     """Process entry point (spawned) for a static schedule; never raises, reports through
     ``events``."""
     try:
         source = StaticGenerations(opts.generations, opts.layouts, opts.resume_from)
         train(me, JobSpec.model_validate_json(spec_json), opts, events, source)
     except BaseException as err:  # noqa: BLE001 - the launcher needs every failure, with cause
-        events.put(("error", me, f"{type(err).__name__}: {err}", traceback.format_exc()))
+        events.put(Failed(worker=me, error=f"{type(err).__name__}: {err}",
+                          traceback=traceback.format_exc()))
         raise SystemExit(1) from None
 
 
-def train(me: str, spec: JobSpec, opts: WorkerOptions, events, source: GenerationSource) -> None:
+def train(me: str, spec: JobSpec, opts: WorkerOptions, events: EventSink,
+          source: GenerationSource) -> None:
     """Train as worker ``me`` through the generations ``source`` gives, reporting to ``events``
-    (anything with ``put``) until step ``opts.steps`` or until ``me`` is released."""
+    until step ``opts.steps`` or until ``me`` is released."""
     _Worker(me, spec, opts, events, source).run()
 
 
 class _Worker:
-    def __init__(self, me: str, spec: JobSpec, opts: WorkerOptions, events,
+    def __init__(self, me: str, spec: JobSpec, opts: WorkerOptions, events: EventSink,
                  source: GenerationSource) -> None:
         self.me, self.spec, self.opts, self.events = me, spec, opts, events
         self.source = source
@@ -245,7 +142,8 @@ class _Worker:
         os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
         self.device = torch.device("cpu")
         if opts.rendezvous.backend == "nccl":
-            self.device = torch.device("cuda", int(me.rsplit("-", 1)[1]) % torch.cuda.device_count())
+            index = int(me.rsplit("-", 1)[1]) % torch.cuda.device_count()
+            self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         self.config = model_config(spec)
         self.metas = state_metadata(self.config)
@@ -269,7 +167,7 @@ class _Worker:
     def run(self) -> None:
         started = self.source.start(self.me)
         if started is None:  # let go from standby before any generation needed it
-            self.events.put(("left", self.me, None))
+            self.events.put(Left(worker=self.me, step=None))
             return
         enter: Callable[[], tuple[Trainer, World, int]] = partial(self._enter, *started)
         while True:
@@ -280,7 +178,7 @@ class _Worker:
                 if self._stopping:
                     log.warning("%s: failed while asked to stop (%s); not recovering", self.me,
                                 err)
-                    raise SystemExit(STOPPED) from None
+                    raise SystemExit(keys.STOPPED_EXIT_CODE) from None
                 failed = time.perf_counter()
                 try:
                     recovery = self._recover(err)
@@ -288,7 +186,7 @@ class _Worker:
                     self._rescue()
                     raise
             if recovery is None:  # released while the others recovered
-                self.events.put(("left", self.me, self._step))
+                self.events.put(Left(worker=self.me, step=self._step))
                 return
             enter = partial(self._resume, recovery, failed)
 
@@ -301,9 +199,9 @@ class _Worker:
             world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
             trainer = self._trainer(gen, world, initialise=resume is None)
             step = checkpoint.load(trainer, resume) if resume else gen.at_step
-            self.events.put(("ready", self.me, step))
+            self.events.put(Ready(worker=self.me, step=step))
         else:  # a joiner: standby in the new world until the old members arrive
-            self.events.put(("ready", self.me, None))
+            self.events.put(Ready(worker=self.me, step=None))
             world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
             trainer = self._trainer(gen, world, initialise=False)
             self._reshard(self._plan(previous, gen), world, None, trainer)
@@ -333,7 +231,7 @@ class _Worker:
             if leaving:
                 log.warning("%s: asked to stop; leaving at step %d", self.me, step)
                 source.depart(self.me, step)
-                self.events.put(("left", self.me, step))
+                self.events.put(Left(worker=self.me, step=step))
                 return
             if following is not None and step == following.at_step:
                 trainer, world = self._switch(gen, following, trainer, world, builder, plan)
@@ -345,19 +243,18 @@ class _Worker:
                 continue
             self._train_step(trainer, step)
             step += 1
-        self.events.put(("done", self.me, trainer.parameter_digests()))
+        self.events.put(Finished(worker=self.me, digests=trainer.parameter_digests()))
 
     def _released(self, step: int) -> None:
         """Let go by a shrink at ``step``: report how long after the end of its last step it was
         free to go (its GPUs with it), then leave."""
         ended = self._last_step_end
-        self.events.put(("released", self.me, {
-            "at_step": step,
-            "release_s": None if ended is None else time.perf_counter() - ended,
-            # of which the boundary's swap of peer snapshots took
-            "snapshot_s": self.snapshots.seconds if self.snapshots is not None else 0.0,
-        }))
-        self.events.put(("left", self.me, step))
+        self.events.put(Released(
+            worker=self.me, at_step=step,
+            release_s=None if ended is None else time.perf_counter() - ended,
+            snapshot_s=self.snapshots.seconds if self.snapshots is not None else 0.0,
+        ))
+        self.events.put(Left(worker=self.me, step=step))
 
     def _halt(self, trainer: Trainer, step: int) -> None:
         """Save the boundary the job halts at (every member calls it) and tell the launcher
@@ -366,7 +263,7 @@ class _Worker:
         if root:
             path = str(checkpoint.save(trainer, root, step, trainer.layout.describe()))
         log.warning("%s: the job halts at step %d (checkpoint: %s)", self.me, step, path)
-        self.events.put(("halted", self.me, {"step": step, "checkpoint": path}))
+        self.events.put(Halted(worker=self.me, step=step, checkpoint=path))
 
     def _recover(self, err: Exception) -> Recovery | None:
         """Close every world of the failed generation, then ask the source where to go on."""
@@ -391,17 +288,8 @@ class _Worker:
         gen, cut, store = rescue
         world = build_world(self.opts.rendezvous, gen.index, gen.members, self.me,
                             name="rescue", store=store)
-        # The copies are saved as they are, in the cut's layout: no trainer of the survivors'
-        # layout beside them (memory a small job's survivors may not have), and a checkpoint
-        # loads into any layout. Each survivor writes its own copy and those it keeps for the
-        # lost; a name two of them hold (replicas) is written once.
-        own, kept = self.snapshots.held(cut, self.me)
-        shapes = state_shapes(self.config)
-        state = {name: view.view(shapes[name]) for copy in (own or {}, *kept.values())
-                 for name, view in copy.items()}
-        path = checkpoint.save_state(state, world, self.opts.checkpoint_root, cut.step,
-                                     cut.layout.describe(),
-                                     len(global_parameter_names(self.config)))
+        path = save_cut(cut, me=self.me, world=world, snapshots=self.snapshots,
+                        config=self.config, root=self.opts.checkpoint_root)
         log.warning("%s: the leader is lost; the peer snapshots of step %d are saved in %s, "
                     "for the job's restart", self.me, cut.step, path)
 
@@ -414,40 +302,23 @@ class _Worker:
         fresh = recovery.checkpoint is None and recovery.snapshot is None
         trainer = self._trainer(gen, world, initialise=fresh)
         if recovery.snapshot is not None:
-            self._rebuild(recovery.snapshot, gen, world, trainer)
+            rebuild(recovery.snapshot, Placement(layout=self.source.layout(gen),
+                                                 workers=gen.members),
+                    me=self.me, world=world, trainer=trainer, snapshots=self.snapshots,
+                    metas=self.metas, bucket_bytes=self.opts.bucket_bytes)
         elif recovery.checkpoint is not None:
             checkpoint.load(trainer, recovery.checkpoint)
         if self.snapshots is not None:
             self.snapshots.clear()  # copies of a world that is gone
         if self.leader:
-            self.events.put(("recovered", self.me, {
-                "failed_at": recovery.failed_at,
-                "resumed_at": gen.at_step,
-                "snapshot": recovery.snapshot is not None,
-                "checkpoint": recovery.checkpoint,
-                "lost": list(recovery.lost),
-                "left": list(recovery.left),
-                "generation": gen.index,
-                "members": list(gen.members),
-                "layout": trainer.layout.to_dict(),
-                "pause_s": time.perf_counter() - failed,
-            }))
+            self.events.put(Recovered(
+                worker=self.me, failed_at=recovery.failed_at, resumed_at=gen.at_step,
+                snapshot=recovery.snapshot is not None, checkpoint=recovery.checkpoint,
+                lost=recovery.lost, left=recovery.left, generation=gen.index,
+                members=gen.members, layout=trainer.layout,
+                pause_s=time.perf_counter() - failed,
+            ))
         return trainer, world, gen.at_step
-
-    def _rebuild(self, cut: Cut, gen: Generation, world: World, trainer: Trainer) -> None:
-        """Set ``trainer``'s state to the cut's: a reshard from the cut's placement, each lost
-        member's part sent by the survivor that keeps its copy."""
-        plan = plan_reshard(Placement(layout=cut.layout, workers=cut.members),
-                            Placement(layout=self.source.layout(gen), workers=gen.members),
-                            self.metas)
-        own, held = self.snapshots.held(cut, self.me)
-        state = trainer.state_tensors()
-        arriving = incoming(plan, self.me)
-        for name, tensor in state.items():
-            if name not in arriving:  # held in the cut's placement too
-                tensor.view(-1).copy_(own[name])
-        execute_reshard(plan, world=world, me=self.me, old_state=own, new_state=state,
-                        bucket_bytes=self.opts.bucket_bytes, senders=cut.senders, held=held)
 
     def _train_step(self, trainer: Trainer, step: int) -> None:
         first, last = self.opts.profile_steps
@@ -463,12 +334,13 @@ class _Worker:
         seconds = time.perf_counter() - started
         self._last_step_end = time.perf_counter()
         if self.leader:
-            self.events.put(("step", self.me, {
-                "step": result.step, "loss": result.loss, "loss_hex": float.hex(result.loss),
-                "grad_norm": result.grad_norm, "lr": result.lr, "seconds": seconds,
-                "snapshot_s": self.snapshots.seconds if self.snapshots is not None else None,
-                "layout": trainer.layout.to_dict(),
-            }))
+            self.events.put(Stepped(
+                worker=self.me, step=result.step, loss=result.loss,
+                loss_hex=float.hex(result.loss), grad_norm=result.grad_norm, lr=result.lr,
+                seconds=seconds,
+                snapshot_s=self.snapshots.seconds if self.snapshots is not None else None,
+                layout=trainer.layout,
+            ))
         if profiling and step == last - 1:
             self._finish_profile(trainer)
         done, opts = step + 1, self.opts
@@ -476,9 +348,8 @@ class _Worker:
             saving = time.perf_counter()
             path = checkpoint.save(trainer, opts.checkpoint_root, done, trainer.layout.describe())
             if self.leader:
-                self.events.put(("checkpoint", self.me, {
-                    "path": str(path), "step": done, "seconds": time.perf_counter() - saving,
-                }))
+                self.events.put(Checkpointed(worker=self.me, path=str(path), step=done,
+                                             seconds=time.perf_counter() - saving))
 
     def _finish_profile(self, trainer: Trainer) -> None:
         """Gather every rank's measurements at the leader, which writes the profile JSON."""
@@ -500,7 +371,7 @@ class _Worker:
         profile = build_profile(parts, trainer.layout, self.opts.profile_steps, trainer.config)
         Path(self.opts.profile_out).parent.mkdir(parents=True, exist_ok=True)
         Path(self.opts.profile_out).write_text(json.dumps(profile, indent=2) + "\n")
-        self.events.put(("profile", self.me, self.opts.profile_out))
+        self.events.put(Profiled(worker=self.me, path=self.opts.profile_out))
 
     def _next_builder(self, following: Generation) -> WorldBuilder | None:
         """Start building the next generation's world now, while this one trains."""
@@ -536,34 +407,25 @@ class _Worker:
             carry_over(plan, self.me, trainer, new_trainer)
         stats = self._reshard(plan, transition, trainer, new_trainer, cut)
         if self.leader:
-            self.events.put(("reconfig", self.me, {
-                "at_step": new.at_step,
-                "generation": new.index,
-                "members": list(new.members),
-                "from": self.source.layout(old).to_dict(),
-                "to": self.source.layout(new).to_dict(),
-                "workers": [len(old.members), len(new.members)],
-                "pause_s": time.perf_counter() - (self._last_step_end or paused),
-                "world_s": world_s,
-                "rebuild_s": rebuild_s,
-                "transfer_s": stats.seconds,
-                "bytes_moved": plan.bytes_moved,
-                "bytes_min": plan.bytes_min,
-                "buckets": stats.buckets,
-                "released_at_once": cut is not None,
-            }))
+            self.events.put(Reconfigured(
+                worker=self.me, at_step=new.at_step, generation=new.index, members=new.members,
+                from_layout=self.source.layout(old), to_layout=self.source.layout(new),
+                workers=(len(old.members), len(new.members)),
+                pause_s=time.perf_counter() - (self._last_step_end or paused),
+                world_s=world_s, rebuild_s=rebuild_s, transfer_s=stats.seconds,
+                bytes_moved=plan.bytes_moved, bytes_min=plan.bytes_min, buckets=stats.buckets,
+                released_at_once=cut is not None,
+            ))
         return new_trainer, new_world
 
     def _kept_cut(self, old: Generation, new: Generation) -> Cut | None:
         """For a shrink, the peer snapshots of this boundary (taken in ``old``'s world) as a
         cut whose leavers' state their keepers send, if every leaver's keeper stays; else None
         (no snapshots, or two leavers next to each other in the ring): the leavers send."""
-        if self.snapshots is None:
+        leavers = [m for m in old.members if m not in new.members]
+        if self.snapshots is None or not keepers_stay(old.members, leavers):
             return None
         keeper = keepers(old.members)
-        leavers = [m for m in old.members if m not in new.members]
-        if any(keeper[m] not in new.members for m in leavers):
-            return None
         return Cut(generation=old.index, members=old.members, layout=self.source.layout(old),
                    step=self._step, senders={m: keeper[m] for m in leavers})
 

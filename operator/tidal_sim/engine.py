@@ -8,9 +8,9 @@ minimum, done at its scale-table row's speedup; a switch stops its progress for 
 overhead, from a step boundary: the job trains on at its old speed until then (a uniform
 fraction of a step, and for tidal's scale-up one step more), and released workers hold their
 GPUs until the drain after it ends (with peer snapshots, none for a hot switch whose leavers'
-keepers all stay: ``keepers_stay``). Queued jobs show to ``decide`` as pending pods (an elastic
-job's with its label, and the job with no member yet, as the operator sees a new job), so the
-operator's own scale-down makes room for them.
+keepers all stay: ``tidal_plan.keepers.keepers_stay``, the agent's own rule). Queued jobs show
+to ``decide`` as pending pods (an elastic job's with its label, and the job with no member yet,
+as the operator sees a new job), so the operator's own scale-down makes room for them.
 
 At every arrival, completion, switch end and periodic tick, the elastic policies build a
 :class:`Snapshot` and apply ``tidal_operator.policy.decide`` unchanged:
@@ -39,6 +39,7 @@ from statistics import fmean
 from tidal_api import ScaleTable
 from tidal_api.scale import ScaleRow
 from tidal_operator.policy import decide
+from tidal_plan.keepers import keepers_stay
 from tidal_sim.trace import GPUS_PER_NODE, TraceJob
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
 
@@ -377,7 +378,7 @@ class Simulation:
             pause = self._base_pause(job) * self.rng.lognormvariate(0.0, self.config.jitter)
             # It starts at a step boundary: the next one, where the agent (or a restart's
             # save) acts on the decision, but a hot scale-up one step later, its joiners' world
-            # built while that step trains (tidal_agent.control). Until then the job trains on.
+            # built while that step trains (tidal_agent.generations). Until then the job trains on.
             step = job.step_s / job.speed[spec.workers]
             wait = self.rng.random() * step
             if d.kind == "scale_up" and self.config.policy == "tidal":
@@ -468,16 +469,6 @@ class Simulation:
     def queue_seconds(self) -> list[float]:
         """Non-elastic jobs' queue times (start less submission), sorted."""
         return sorted(j.start - j.trace.submit for j in self.jobs if not j.trace.size)
-
-
-def keepers_stay(members: tuple[str, ...], releasing: tuple[str, ...]) -> bool:
-    """Whether every member ``releasing`` lets go has a keeper that stays: the next member in
-    the ring, which holds its peer snapshot (``tidal_agent.snapshot.keepers``, which the
-    operator cannot import). The agent then lets the leavers go at the switch's boundary and
-    the keepers send their state."""
-    gone = set(releasing)
-    return not any(members[(i + 1) % len(members)] in gone
-                   for i, member in enumerate(members) if member in gone)
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -24,7 +24,7 @@ from lightkube import Client
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.resources.core_v1 import Event, Pod
 
-from tidal_agent.control import ElasticTrainingJobResource as ETJ
+from tidal_agent.link import ElasticTrainingJobResource as ETJ
 from tidal_agent.runner import resolve_layout, run_local
 from tidal_api import parse_job
 from tidal_local.arrivals import batch_pod

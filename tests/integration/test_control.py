@@ -29,12 +29,13 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.types import PatchType
 
 from tidal_agent import checkpoint
-from tidal_agent.control import AgentReport, ControlError, ControlLink, ControlledGenerations
-from tidal_agent.worker import Halt
-from tidal_agent.control import ElasticTrainingJobResource as ETJ
+from tidal_agent.generations import ControlledGenerations, LeaderRecovering
+from tidal_agent.link import ControlError, ControlLink
+from tidal_agent.link import ElasticTrainingJobResource as ETJ
+from tidal_agent.protocol import Halt, LeaderLost
 from tidal_api import Target, keys
 from tidal_plan.elastic import Generation
-from tidal_kube.emulator import load_manifests
+from tidal_kube.serving import load_manifests
 from tidal_plan.layout import build_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -326,8 +327,6 @@ def test_without_the_leader_the_others_agree_through_files_on_what_to_save(tmp_p
     """The leader's store gone, recover says so; the others agree through a FileStore under
     the checkpoint root on the newest boundary their peer snapshots hold whole, or on nothing
     if one of them does not report. (Saving it is the worker's: tests/e2e, a lost leader.)"""
-    from tidal_agent.worker import LeaderLost
-
     leader, w1, w2 = "j-worker-0", "j-worker-1", "j-worker-2"
     trained = Generation(index=3, at_step=0, members=(leader, w1, w2))
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -376,8 +375,6 @@ def test_without_the_leader_the_others_agree_through_files_on_what_to_save(tmp_p
 def test_recovery_decisions_through_the_store(tmp_path):
     """The fault path's agreement, with threads for pods: a failure nobody died of is raised,
     a silent member is left behind, a member the target releases is not waited for."""
-    from tidal_agent.control import LeaderRecovering
-
     for done in (4, 8):  # complete checkpoints (their contents are not read here)
         (tmp_path / f"step-{done:08d}").mkdir()
         (tmp_path / f"step-{done:08d}" / "tidal.json").write_text("{}")

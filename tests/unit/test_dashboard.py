@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidal_agent.control import AgentReport
+from tidal_agent.events import Reconfigured, Recovered, Stepped
 from tidal_agent.metrics import AgentMetrics
+from tidal_agent.report import AgentReport
 from tidal_operator.metrics import Metrics
 from tidal_plan.elastic import Generation
 from tidal_plan.layout import build_layout
@@ -95,6 +96,11 @@ def _samples(registry) -> dict[tuple, float]:
             for family in registry.collect() for s in family.samples}
 
 
+def stepped(step: int, loss: float, seconds: float, layout) -> Stepped:
+    return Stepped(worker="a", step=step, loss=loss, loss_hex=loss.hex(), grad_norm=1.0, lr=1e-3,
+                   seconds=seconds, snapshot_s=None, layout=layout)
+
+
 def test_agent_metrics_follow_the_leaders_events():
     metrics = AgentMetrics(namespace="ns", job="j", pod="j-worker-0", leader=True)
     report = AgentReport(None, tokens_per_step=1024, metrics=metrics.job)
@@ -111,12 +117,12 @@ def test_agent_metrics_follow_the_leaders_events():
     report.planned(0, 0.25)
     report.applied(Generation(index=0, at_step=0, members=("a", "b")), two)
     for step, seconds in enumerate((0.5, 0.3, 0.4)):
-        report.put(("step", "a", {"step": step, "loss": 5.0 - step, "seconds": seconds,
-                                  "layout": two.to_dict()}))
+        report.put(stepped(step, 5.0 - step, seconds, two))
     report.planned(1, None)
-    report.put(("reconfig", "a", {
-        "generation": 1, "at_step": 3, "members": ["a", "b", "c"], "from": two.to_dict(),
-        "to": three.to_dict(), "workers": [2, 3], "pause_s": 0.07, "bytes_moved": 4096}))
+    report.put(Reconfigured(
+        worker="a", generation=1, at_step=3, members=("a", "b", "c"), from_layout=two,
+        to_layout=three, workers=(2, 3), pause_s=0.07, world_s=0.01, rebuild_s=0.01,
+        transfer_s=0.04, bytes_moved=4096, bytes_min=4096, buckets=1, released_at_once=False))
     got = _samples(metrics.registry)
     assert got[("tidal_agent_step", *job)] == 3  # steps completed
     assert got[("tidal_agent_loss", *job)] == 3.0
@@ -132,10 +138,10 @@ def test_agent_metrics_follow_the_leaders_events():
     assert got[("tidal_agent_bytes_moved_total", *job)] == 4096
 
     # A fault: worker c is lost at step 4 and the survivors resume from step 2's checkpoint.
-    report.put(("step", "a", {"step": 3, "loss": 1.5, "seconds": 0.3, "layout": three.to_dict()}))
-    report.put(("recovered", "a", {
-        "failed_at": 4, "resumed_at": 2, "checkpoint": "ckpt/step-00000002", "lost": ["c"],
-        "generation": 1, "members": ["a", "b"], "layout": two.to_dict(), "pause_s": 0.4}))
+    report.put(stepped(3, 1.5, 0.3, three))
+    report.put(Recovered(
+        worker="a", failed_at=4, resumed_at=2, snapshot=False, checkpoint="ckpt/step-00000002",
+        lost=("c",), left=(), generation=1, members=("a", "b"), layout=two, pause_s=0.4))
     got = _samples(metrics.registry)
     assert [s["step"] for s in report.steps] == [0, 1]  # 2 and 3 are trained again
     assert report.recoveries[-1]["replayed_steps"] == 2

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal_plan.keepers import keepers_stay
 from tidal_sim import SimConfig, TraceJob, default_nodes, mark_elastic, simulate
 from tidal_sim.engine import (
-    GPUS_PER_NODE, Simulation, compare, job_table, keepers_stay, load_tables,
+    GPUS_PER_NODE, Simulation, compare, job_table, load_tables,
 )
 
 

@@ -1,0 +1,252 @@
+"""``tidal agent``: one pod's worker of an ElasticTrainingJob, its identity from the environment.
+
+``run_agent`` reads the job through its ``ControlLink`` (tidal_agent.link), joins the job's
+rendezvous (hosting its store on the leader, ``<job>-worker-0``), and trains through the
+generations the operator's targets give (``ControlledGenerations``, tidal_agent.generations),
+reporting on the leader through an ``AgentReport`` (tidal_agent.report). SIGTERM stops it at the
+next step boundary; the leader, asked to stop, halts the job there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tidal_agent.generations import ControlledGenerations
+from tidal_agent.link import ControlError, ControlLink
+from tidal_agent.metrics import AgentMetrics, JobMetrics
+from tidal_agent.model import global_parameter_names
+from tidal_agent.report import AgentReport
+from tidal_agent.trainer import model_config, params_sha256
+from tidal_agent.worker import WorkerOptions, train
+from tidal_agent.world import Rendezvous
+from tidal_api import ElasticTrainingJob, JobSpec, keys
+from tidal_plan.devices import Device, load_device
+from tidal_plan.elastic import data_parallel_degree
+from tidal_plan.layout import Layout, LayoutError
+from tidal_plan.planner import LayoutPlanner, plan_job
+
+log = logging.getLogger("tidal.agent")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PodIdentity:
+    """Who this agent is: its job, its pod, and where the job's rendezvous is."""
+
+    job: str
+    namespace: str
+    pod: str
+    rendezvous_host: str
+    rendezvous_port: int = keys.RENDEZVOUS_PORT
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> PodIdentity:
+        names = (keys.ENV_JOB, keys.ENV_NAMESPACE, keys.ENV_POD, keys.ENV_RENDEZVOUS_HOST)
+        if missing := [n for n in names if not env.get(n)]:
+            raise ControlError(
+                f"set {', '.join(missing)}: the operator puts them in every worker pod"
+            )
+        port = env.get(keys.ENV_RENDEZVOUS_PORT) or str(keys.RENDEZVOUS_PORT)
+        if not port.isdigit():
+            raise ControlError(f"{keys.ENV_RENDEZVOUS_PORT}={port!r} is not a port number")
+        return cls(job=env[keys.ENV_JOB], namespace=env[keys.ENV_NAMESPACE],
+                   pod=env[keys.ENV_POD], rendezvous_host=env[keys.ENV_RENDEZVOUS_HOST],
+                   rendezvous_port=int(port))
+
+    @property
+    def leader(self) -> str:
+        return f"{self.job}-worker-0"
+
+
+def run_agent(
+    identity: PodIdentity,
+    *,
+    kubeconfig: str | None = None,
+    threads: int = 1,
+    steps: int | None = None,
+    plan_device: str = "cpu",
+    publish_interval_s: float = 2.0,
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+    report_path: str | Path | None = None,
+    metrics_port: int | None = None,
+) -> dict[str, Any]:
+    """Train as ``identity.pod`` until the job's last step or until released; the leader
+    returns (and writes to ``report_path``) the run's report, other pods what they saw.
+    With ``metrics_port``, Prometheus metrics (tidal_agent.metrics) are served on it."""
+    link = ControlLink(identity.job, identity.namespace, kubeconfig=kubeconfig,
+                       publish_interval_s=publish_interval_s)
+    metrics = AgentMetrics(namespace=identity.namespace, job=identity.job, pod=identity.pod,
+                           leader=identity.pod == identity.leader)
+    try:
+        if metrics_port:
+            try:
+                metrics.serve(metrics_port)
+            except OSError as err:
+                raise ControlError(f"cannot serve metrics on port {metrics_port}: {err}") from err
+        return _run(identity, link, threads=threads, steps=steps, plan_device=plan_device,
+                    timeout_s=timeout_s, backend=backend, report_path=report_path,
+                    metrics=metrics.job)
+    finally:
+        link.close()
+        metrics.close()
+
+
+def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int | None,
+         plan_device: str, timeout_s: float, backend: str,
+         report_path: str | Path | None, metrics: JobMetrics | None) -> dict[str, Any]:
+    job = link.job()
+    spec = job.spec
+    if spec.gpus_per_worker != 1:
+        raise ControlError(
+            f"spec.gpusPerWorker is {spec.gpus_per_worker}: tidal agent runs one rank per pod "
+            "for now; set gpusPerWorker: 1"
+        )
+    steps = steps or spec.training.steps
+    if steps > spec.training.steps:
+        raise ControlError(f"--steps {steps} exceeds spec.training.steps ({spec.training.steps})")
+    leading = identity.pod == identity.leader
+    # The job's long-lived store, on the leader: it must outlive every other pod's use of it.
+    host = dist.TCPStore(
+        identity.rendezvous_host, identity.rendezvous_port, is_master=True,
+        wait_for_workers=False, timeout=timedelta(seconds=timeout_s), use_libuv=True,
+    ) if leading else None
+    rendezvous = Rendezvous(host=identity.rendezvous_host, port=identity.rendezvous_port,
+                            prefix=f"{identity.job}/", timeout_s=timeout_s, backend=backend)
+    report = AgentReport(link if leading else None, metrics=metrics,
+                         tokens_per_step=spec.training.global_batch_size * spec.model.seq_len)
+    device = load_device(plan_device)
+    planner = LayoutPlanner(job, device)
+
+    def choose(workers: int, first_workers: int) -> tuple[Layout, float | None]:
+        """The layout ``tidal run`` would pick for this count (dp by the same rule)."""
+        dp = data_parallel_degree(spec, first_workers, workers)
+        layout, prediction = planner.layout(workers, dp)
+        return layout, prediction.step_seconds
+
+    stop = _stop_on_sigterm(identity.pod)
+    store = rendezvous.connect()
+    source = ControlledGenerations(
+        me=identity.pod, leader=identity.leader, store=store, min_workers=spec.workers.min,
+        steps=steps, choose=choose, target=link.target, report=report,
+        checkpoint_root=spec.checkpoint.path, heartbeat=rendezvous.connect(),
+        fault_wait_s=2 * timeout_s + 30,  # past any member's own timeout on a dead peer
+        stop=stop,
+    )
+    if leading:
+        link.start()
+        threading.Thread(target=_publish_scale_table, args=(link, job, device),
+                         name="tidal-plan", daemon=True).start()
+    opts = WorkerOptions(
+        rendezvous=rendezvous, steps=steps, threads=threads,
+        checkpoint_root=spec.checkpoint.path, checkpoint_every=spec.checkpoint.every_steps,
+        peer_snapshots=spec.checkpoint.peer_snapshots, stop=stop,
+    )
+    train(identity.pod, spec, opts, report, source)
+    if leading and report.halted is not None:
+        _halt(identity, source, report, store, report_path, timeout_s)
+    if report.digests is not None:  # a final member: the leader hashes all parameters
+        store.set(f"digest/{identity.pod}", json.dumps(report.digests))
+    if not leading:
+        source.leave()
+        if source.departed:  # the leader counts it lost, not among the pods that exit
+            return {"pod": identity.pod, "left_at": report.left_at, "done": False}
+        store.add("exited", 1)
+        return {"pod": identity.pod, "left_at": report.left_at, "done": report.digests is not None}
+    result = _leader_report(identity.job, spec, source, report, store)
+    link.publish(step=steps)
+    _end(source, store, steps, result, report_path, timeout_s)
+    del host  # only now may the store go down
+    return result
+
+
+def _halt(identity: PodIdentity, source: ControlledGenerations, report: AgentReport,
+          store: dist.Store, report_path: str | Path | None, timeout_s: float) -> None:
+    """The leader, asked to stop, has halted the job at a step boundary that every member
+    saved: standby pods leave, the others exit, and so does the leader, with SIGTERM's exit
+    status (its pod fails), for the operator to restart the job from that checkpoint."""
+    halted = report.halted
+    _end(source, store, halted.step, {**_run_record(identity.job, source, report),
+                                      "halted": halted.record()}, report_path, timeout_s)
+    log.warning("%s: halted at step %d; the operator restarts the job from %s", identity.pod,
+                halted.step, halted.checkpoint or "step 0 (spec.checkpoint.path is unset)")
+    raise SystemExit(keys.STOPPED_EXIT_CODE)
+
+
+def _end(source: ControlledGenerations, store: dist.Store, step: int, result: Mapping[str, Any],
+         report_path: str | Path | None, timeout_s: float) -> None:
+    """The leader's part at the job's end, at its last step or halted: standby pods leave,
+    the report is written, and the store stays up until every other registered pod is done
+    with it."""
+    source.end(step)
+    if report_path is not None:
+        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(report_path).write_text(json.dumps(result, indent=2) + "\n")
+    _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
+
+
+def _stop_on_sigterm(pod: str) -> threading.Event:
+    """An event SIGTERM sets (a pod is deleted, preempted or its node drained): the worker
+    leaves at its next step boundary rather than die mid-step, or, in a container where the
+    agent is PID 1, ignore the signal until the kubelet's SIGKILL."""
+    stop = threading.Event()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if not stop.is_set():
+            log.warning("%s: SIGTERM; stopping at the next step boundary", pod)
+            stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return stop
+
+
+def _leader_report(job: str, spec: JobSpec, source: ControlledGenerations, report: AgentReport,
+                   store: dist.Store) -> dict[str, Any]:
+    """The run as the leader saw it, with one hash over every final parameter."""
+    digests: dict[int, tuple[str, str]] = {}
+    for pod in source.current.members:
+        received = json.loads(store.get(f"digest/{pod}"))
+        digests.update({int(k): (name, digest) for k, (name, digest) in received.items()})
+    return {
+        **_run_record(job, source, report),
+        "params_sha256": params_sha256(digests, len(global_parameter_names(model_config(spec)))),
+    }
+
+
+def _run_record(job: str, source: ControlledGenerations, report: AgentReport) -> dict[str, Any]:
+    """The run as the leader saw it: where it started, its generations, steps, switches and
+    recoveries, and where it is now."""
+    return {
+        "job": job, "members": list(source.current.members), "resumed_from": source.resume_from,
+        "layout": source.layout(source.current).to_dict(), "generations": report.generations,
+        "steps": report.steps, "reconfigurations": report.reconfigurations,
+        "recoveries": report.recoveries,
+    }
+
+
+def _publish_scale_table(link: ControlLink, job: ElasticTrainingJob, device: Device) -> None:
+    """Plan the job's scale table (as ``tidal plan`` does) off the training thread."""
+    try:
+        table, _ = plan_job(job, device)
+    except (LayoutError, ValueError) as err:
+        log.error("no scale table: %s", err)
+        return
+    link.publish(scale_table=table)
+
+
+def _wait_for_exits(store: dist.Store, others: int, timeout_s: float) -> None:
+    """Keep the leader's store up until every other registered pod is done with it."""
+    deadline = time.monotonic() + timeout_s
+    while store.add("exited", 0) < others and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -1,0 +1,132 @@
+"""What a worker asks the source of its generations, and the answers it gets.
+
+A worker trains in a sequence of generations (membership and layout) and learns of each from a
+``GenerationSource``: a schedule known in advance (``StaticGenerations``, ``tidal run``) or the
+operator's targets, agreed on through the rendezvous store at run time
+(``tidal_agent.generations.ControlledGenerations``, ``tidal agent``). The training loop
+(tidal_agent.worker) is the same for both.
+
+At a step boundary the source answers with the next generation, or with ``Halt`` when the job
+stops there (its leader was asked to stop). On the fault path it answers with a ``Recovery``:
+where the survivors go on; ``LeaderLost`` says that the job cannot, because the rendezvous
+store went with its host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tidal_agent.snapshot import Cut
+from tidal_plan.elastic import Generation
+from tidal_plan.layout import Layout
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recovery:
+    """Where the survivors of a failed generation go on: agreed on by all of them."""
+
+    generation: Generation  # the survivors; at_step is the step training resumes at
+    world: str  # the name of its world: a fresh one for every recovery
+    checkpoint: str | None  # the checkpoint to load (saved at at_step)
+    failed_at: int  # the step (or switch boundary) the leader was at when it failed
+    lost: tuple[str, ...]  # the members that did not survive
+    snapshot: Cut | None = None  # the peer snapshots to rebuild from (at at_step)
+    left: tuple[str, ...] = ()  # of the lost, those that left when asked to stop (SIGTERM)
+    # neither checkpoint nor snapshot: start afresh from step 0
+
+
+class LeaderLost(RuntimeError):
+    """The rendezvous store is gone, so its host, the leader, is lost: the job cannot go on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Halt:
+    """The job stops at the boundary before ``step``: its leader was asked to stop. Every
+    member saves a checkpoint of that boundary (where the job has a checkpoint path), for the
+    restart to start from, and leaves."""
+
+    step: int
+
+
+class GenerationSource(Protocol):
+    """Where a worker learns which generation it belongs to, and when the next one starts.
+
+    Every member of a generation calls ``following`` at each step boundary until it returns
+    the next generation, with the same ``step`` on every member, so all of them learn of it at
+    the same boundary and switch at its ``at_step`` (that boundary, or a later one).
+    """
+
+    @property
+    def leader(self) -> str:
+        """The stable leader: rank 0 of every world; it reports steps and switches."""
+
+    def start(self, me: str) -> tuple[Generation, Generation | None] | None:
+        """The generation ``me`` first trains in and the one before it (None for the first
+        generation); None if ``me`` is let go without ever training."""
+
+    @property
+    def resume_from(self) -> str | None:
+        """The checkpoint the first generation loads, once ``start`` has returned it (None:
+        it starts from the seed at its ``at_step``)."""
+
+    def layout(self, gen: Generation) -> Layout:
+        """The layout of a generation this worker has heard of."""
+
+    def following(self, gen: Generation, step: int) -> Generation | Halt | None:
+        """At the boundary before ``step``: the generation after ``gen`` if it is known, or
+        ``Halt`` if the job stops there."""
+
+    def recover(self, me: str, trained: Generation, step: int, error: Exception,
+                held: dict[str, Any] | None = None) -> Recovery | None:
+        """``me`` failed at ``step`` in generation ``trained`` with ``error``, holding the peer
+        snapshots ``held`` describes (``PeerSnapshots.summary``): where the survivors go on
+        (None if ``me`` is not one of them). Raises ``error`` when training cannot go on:
+        nothing to recover with, or no member was lost (a bug, not a fault)."""
+
+    def depart(self, me: str, step: int) -> None:
+        """``me``, asked to stop, leaves at the boundary before ``step`` unasked by any
+        target: the others lose it and go on without waiting for its silence."""
+
+    def rescue(self, me: str, trained: Generation,
+               held: dict[str, Any] | None) -> tuple[Generation, Cut, Any] | None:
+        """The leader is lost (``recover`` raised ``LeaderLost``): the generation whose world
+        the other members of ``trained`` save the newest boundary their peer snapshots hold
+        whole in (``held``: this one's ``PeerSnapshots.summary``), that cut, and a store to
+        build the world on; None if they cannot."""
+
+
+@dataclass(frozen=True, slots=True)
+class StaticGenerations:
+    """A membership schedule known in advance: every generation and its layout."""
+
+    generations: tuple[Generation, ...]
+    layouts: tuple[Layout, ...]  # one per generation
+    resume_from: str | None = None  # a checkpoint directory (tidal run --resume)
+
+    @property
+    def leader(self) -> str:
+        return self.generations[0].members[0]
+
+    def start(self, me: str) -> tuple[Generation, Generation | None]:
+        gen = next(g for g in self.generations if me in g.members)
+        return gen, self.generations[gen.index - 1] if gen.index else None
+
+    def layout(self, gen: Generation) -> Layout:
+        return self.layouts[gen.index]
+
+    def following(self, gen: Generation, step: int) -> Generation | None:
+        nxt = gen.index + 1
+        return self.generations[nxt] if nxt < len(self.generations) else None
+
+    def recover(self, me: str, trained: Generation, step: int, error: Exception,
+                held: dict[str, Any] | None = None) -> Recovery | None:
+        raise error  # the launcher names the lost worker; --resume goes on without it
+
+    def depart(self, me: str, step: int) -> None:
+        raise RuntimeError(f"{me}: a static schedule has no departures (tidal run stops "
+                           "its workers itself)")
+
+    def rescue(self, me: str, trained: Generation,
+               held: dict[str, Any] | None) -> tuple[Generation, Cut, Any] | None:
+        return None  # the launcher hosts the store and stops every worker

@@ -1,0 +1,125 @@
+"""The leader's account of a job: the worker's events as status, metrics and a JSON report.
+
+``AgentReport`` reads the worker's events (tidal_agent.events) and the generation source's
+word on what it planned and applied. On the leader it publishes the job's progress in
+``status`` (through its ``ControlLink``) and in Prometheus metrics (tidal_agent.metrics), and
+keeps the run's report: per-step losses, generations, switches and recoveries.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from typing import Any
+
+from tidal_agent.events import Finished, Halted, Left, Listener, Reconfigured, Recovered, Stepped
+from tidal_agent.link import ControlLink
+from tidal_agent.metrics import JobMetrics
+from tidal_api import AppliedLayout
+from tidal_plan.elastic import Generation
+from tidal_plan.layout import Layout
+
+log = logging.getLogger("tidal.agent")
+
+
+def applied_layout(layout: Layout) -> AppliedLayout:
+    return AppliedLayout(
+        dp=layout.dp, pp=layout.pp, partition=layout.partition, schedule=layout.schedule.value,
+        virtual_stages=layout.virtual_stages, micro_batch_size=layout.micro_batch_size,
+        num_micro_batches=layout.num_micro_batches,
+    )
+
+
+class AgentReport(Listener):
+    """The worker's events (``put``) as status fields and metrics on the leader, and as a
+    JSON report.
+
+    Every pod has one; only the leader's has a link and metrics, and sees step and switch
+    events.
+    """
+
+    def __init__(self, link: ControlLink | None, *, tokens_per_step: int, window: int = 10,
+                 metrics: JobMetrics | None = None):
+        self.link, self.tokens_per_step, self.metrics = link, tokens_per_step, metrics
+        self.steps: list[dict[str, Any]] = []
+        self.reconfigurations: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self.generations: list[dict[str, Any]] = []
+        self.digests: dict[int, tuple[str, str]] | None = None
+        self.left_at: int | None = None
+        self.halted: Halted | None = None  # where the job halted, and its checkpoint
+        self._recent: deque[float] = deque(maxlen=window)
+        self._predicted: dict[int, float | None] = {}
+
+    def on_stepped(self, event: Stepped) -> None:
+        self.steps.append(event.record())
+        self._recent.append(event.seconds)
+        log.info("step %5d  pp%d  loss %.4f  %7.1f ms", event.step, event.layout.pp, event.loss,
+                 event.seconds * 1e3)
+        seconds = statistics.median(self._recent)
+        if self.metrics is not None:
+            self.metrics.stepped(event.step, event.loss, event.seconds,
+                                 self.tokens_per_step / seconds)
+        if self.link is not None:
+            self.link.publish(step=event.step + 1, loss=event.loss, step_seconds=seconds,
+                              tokens_per_second=self.tokens_per_step / seconds)
+
+    def on_reconfigured(self, event: Reconfigured) -> None:
+        self.reconfigurations.append(event.record())
+        if self.metrics is not None:
+            self.metrics.switched(*event.workers, event.pause_s, event.bytes_moved)
+        gen = Generation(index=event.generation, at_step=event.at_step, members=event.members)
+        self.applied(gen, event.to_layout, switch_s=event.pause_s)
+
+    def on_recovered(self, event: Recovered) -> None:
+        """The survivors of a fault go on from ``resumed_at``: the steps from there on are
+        replayed, and their results replace the ones reported before the fault."""
+        resumed = event.resumed_at
+        replayed = sum(1 for s in self.steps if s["step"] >= resumed)
+        self.steps = [s for s in self.steps if s["step"] < resumed]
+        self.recoveries.append({**event.record(), "replayed_steps": replayed})
+        if self.metrics is not None:
+            self.metrics.recovered(len(event.lost), replayed)
+        if self.link is not None:  # goes out with the survivors' generation, below
+            self.link.publish(step=resumed, lost=tuple(dict.fromkeys(
+                p for r in self.recoveries for p in r["lost"])))
+        gen = Generation(index=event.generation, at_step=resumed, members=event.members)
+        self.applied(gen, event.layout, switch_s=event.pause_s)
+
+    def on_finished(self, event: Finished) -> None:
+        self.digests = event.digests
+
+    def on_left(self, event: Left) -> None:
+        self.left_at = event.step
+
+    def on_halted(self, event: Halted) -> None:
+        self.halted = event
+
+    def planned(self, index: int, predicted_step_s: float | None) -> None:
+        """The planner's step seconds for generation ``index``'s layout (None: no prediction)."""
+        self._predicted[index] = predicted_step_s
+
+    def applied(self, gen: Generation, layout: Layout, switch_s: float | None = None) -> None:
+        """Generation ``gen`` runs now (the leader's view)."""
+        self.generations.append({"generation": gen.index, "at_step": gen.at_step,
+                                 "members": list(gen.members), "layout": layout.to_dict(),
+                                 "switch_s": switch_s})
+        self._recent.clear()  # step times of another layout
+        if self.metrics is not None:
+            self.metrics.applied(gen.index, len(gen.members), layout.dp, layout.pp,
+                                 self._predicted.get(gen.index))
+        if self.link is None:
+            return
+        fields: dict[str, Any] = {
+            "generation": gen.index, "members": gen.members, "layout": applied_layout(layout),
+            "predicted_step_seconds": self._predicted.get(gen.index),
+        }
+        if switch_s is not None:
+            fields["last_switch_seconds"] = switch_s
+        self.link.publish(**fields)
+
+    def acknowledged(self, generation: int) -> None:
+        """A target that changes nothing, applied as it is."""
+        if self.link is not None:
+            self.link.publish(generation=generation)
