@@ -44,6 +44,7 @@ JOB = {
     "kind": "ElasticTrainingJob",
     "metadata": {"name": "bench"},
     "spec": {
+        "workers": {"min": 2, "max": 8},
         "model": {"layers": 8, "dModel": 128, "heads": 4, "vocab": 512, "seqLen": 64},
         "training": {"steps": 1000, "globalBatchSize": 32, "microBatchSize": 4, "lr": 1e-3,
                      "warmupSteps": 0, "gradClip": 1.0, "seed": 0},

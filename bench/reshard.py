@@ -54,6 +54,7 @@ MODEL = {"layers": 13, "dModel": 512, "heads": 8, "vocab": 8192, "seqLen": 64}
 
 def _job(checkpoint_root: str | None = None):
     spec = {
+        "workers": {"min": 2, "max": 8},
         "model": MODEL,
         "training": {"steps": 100, "globalBatchSize": 4, "microBatchSize": 1, "seed": 0},
     }

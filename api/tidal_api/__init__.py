@@ -5,7 +5,7 @@ without pulling in torch or kopf.
 """
 
 from tidal_api.scale import DroppedRow, ScaleRow, ScaleTable
-from tidal_api.status import AppliedLayout, Condition, JobStatus, Phase, Target
+from tidal_api.status import AppliedLayout, Arrival, Condition, JobStatus, Phase, Target
 from tidal_api.spec import (
     API_VERSION,
     GROUP,
@@ -29,6 +29,7 @@ from tidal_api.spec import (
 __all__ = [
     "API_VERSION",
     "AppliedLayout",
+    "Arrival",
     "Condition",
     "JobStatus",
     "Phase",

@@ -3,14 +3,16 @@
 The agent's planner writes the table (``status.scaleTable``); the operator reads it to decide
 whether a scale-up pays off and which job loses least on a scale-down. Every worker count in
 ``[minWorkers, maxWorkers]`` is either a row (the best layout found for it) or a dropped entry
-that says why it is not worth running. Field names on the wire are camelCase.
+that says why it is not worth running. Field names on the wire are camelCase; byte counts are
+integers, so that ``kubectl describe etj`` shows 4941824, not 4.941824e+06.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 DropReason = Literal["hyperparameters", "memory", "disagreement", "gain"]
@@ -39,12 +41,18 @@ class ScaleRow(_Wire):
     num_micro_batches: int = Field(ge=1, description="Micro-batches per replica and step.")
     step_seconds: float = Field(gt=0, description="Predicted seconds per optimizer step.")
     tokens_per_second: float = Field(gt=0, description="Predicted training throughput.")
-    peak_memory_bytes: float = Field(ge=0, description="Predicted peak of the fullest GPU.")
+    peak_memory_bytes: int = Field(ge=0, description="Predicted peak of the fullest GPU, in bytes.")
     speedup: float = Field(gt=0, description="Throughput over the table's smallest row.")
     predictor: PredictorName = Field(description="The predictor whose figures these are.")
     other_step_seconds: float | None = Field(
         None, description="The other predictor's step seconds for this layout, where it ran."
     )
+
+    @field_validator("peak_memory_bytes", mode="before")
+    @classmethod
+    def _whole_bytes(cls, value: object) -> object:
+        """A predictor's bytes (a float) as whole bytes, rounded up: a peak is not less."""
+        return math.ceil(value) if isinstance(value, float) and math.isfinite(value) else value
 
 
 class DroppedRow(_Wire):

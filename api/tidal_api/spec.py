@@ -6,6 +6,13 @@ silently ignored setting. These types are the one declaration of the job's field
 schema is generated from them (tidal_api.crd), and each cross-field validator here has a CEL
 twin (``x-kubernetes-validations``) with the same message, so the API server refuses what
 ``parse_job`` refuses.
+
+What to train and on how many workers have no defaults: a manifest without ``spec.model`` (its
+layers, dModel and heads) or ``spec.workers`` (min and max) is refused, rather than trained as
+a toy. Counts and sizes have upper bounds (the ``MAX_*`` constants, the schema's ``maximum``):
+far above any job Tidal plans for, low enough that a typo (an extra zero or three) is an error
+rather than a job that asks for the impossible. What the schema admits but no worker can run
+(:meth:`JobSpec.contradiction`) the operator reports as condition Valid=False.
 """
 
 from __future__ import annotations
@@ -21,6 +28,28 @@ GROUP = "tidal.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "ElasticTrainingJob"
+
+
+# Upper bounds of counts and sizes (the schema's ``maximum``).
+MAX_WORKERS = 4096
+MAX_STEPS = 10_000_000
+MAX_LAYERS = 1024
+MAX_D_MODEL = 65536
+MAX_HEADS = 1024
+MAX_SEQ_LEN = 1_048_576
+MAX_MLP_RATIO = 64
+MAX_MTP_HEADS = 64
+MAX_GLOBAL_BATCH = 1_048_576
+MAX_MICRO_BATCH = 65536
+
+# What a missing required field's message says, by its place in the manifest.
+_REQUIRED = {
+    "spec": "required: what to train (spec.model) on how many workers (spec.workers)",
+    "spec.model": "required: the model to train, e.g. model: {layers: 12, dModel: 768, "
+                  "heads: 12}; Tidal trains no default model",
+    "spec.workers": "required: the worker pods the job may run with, e.g. workers: "
+                    "{min: 2, max: 8}",
+}
 
 
 class JobSpecError(ValueError):
@@ -58,8 +87,9 @@ class WorkersSpec(_Spec):
         ' + string(self.max) + ")"',
     )
 
-    min: int = Field(2, ge=1, description="Workers the job starts with and never goes below.")
-    max: int = Field(8, ge=1, description="Most workers the job may grow to.")
+    min: int = Field(ge=1, le=MAX_WORKERS,
+                     description="Workers the job starts with and never goes below.")
+    max: int = Field(ge=1, le=MAX_WORKERS, description="Most workers the job may grow to.")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> WorkersSpec:
@@ -78,14 +108,16 @@ class ModelSpec(_Spec):
         ' + string(self.dModel) + ")"',
     )
 
-    layers: int = Field(6, ge=1, description="Transformer blocks.")
-    d_model: int = Field(64, ge=1, description="Hidden size.")
-    heads: int = Field(4, ge=1, description="Attention heads; must divide dModel.")
+    layers: int = Field(ge=1, le=MAX_LAYERS, description="Transformer blocks.")
+    d_model: int = Field(ge=1, le=MAX_D_MODEL, description="Hidden size.")
+    heads: int = Field(ge=1, le=MAX_HEADS, description="Attention heads; must divide dModel.")
     vocab: int = Field(256, ge=2, le=65536, description="Vocabulary size (token files are uint16).")
-    seq_len: int = Field(64, ge=2, description="Tokens per sample.")
-    mtp_heads: int = Field(0, ge=0, description="Multi-token-prediction heads after the LM head.")
+    seq_len: int = Field(64, ge=2, le=MAX_SEQ_LEN, description="Tokens per sample.")
+    mtp_heads: int = Field(0, ge=0, le=MAX_MTP_HEADS,
+                           description="Multi-token-prediction heads after the LM head.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
-    mlp_ratio: int = Field(4, ge=1, description="MLP hidden size as a multiple of dModel.")
+    mlp_ratio: int = Field(4, ge=1, le=MAX_MLP_RATIO,
+                           description="MLP hidden size as a multiple of dModel.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
@@ -130,9 +162,10 @@ class TrainingSpec(_Spec):
         'training.globalBatchSize (" + string(self.globalBatchSize) + ")"',
     )
 
-    steps: int = Field(100, ge=1, description="Optimizer steps.")
-    global_batch_size: int = Field(16, ge=1, description="Samples per step.")
-    micro_batch_size: int = Field(2, ge=1, description="Samples per micro-batch.")
+    steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps.")
+    global_batch_size: int = Field(16, ge=1, le=MAX_GLOBAL_BATCH, description="Samples per step.")
+    micro_batch_size: int = Field(2, ge=1, le=MAX_MICRO_BATCH,
+                                  description="Samples per micro-batch.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     min_lr: float = Field(3e-4, ge=0, description="Learning rate at the end of the cosine decay.")
     warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
@@ -279,14 +312,12 @@ class TemplateSpec(_Spec):
 class JobSpec(_Spec):
     """spec of an ElasticTrainingJob: what to train, on how many workers, under which policy."""
 
-    workers: WorkersSpec = Field(
-        default_factory=WorkersSpec, description="Worker pod range; the job starts at min."
-    )
+    workers: WorkersSpec = Field(description="Worker pod range; the job starts at min.")
     gpus_per_worker: int = Field(1, ge=1, description="GPUs (ranks) per worker pod.")
     max_scale_factor: int = Field(
         4, ge=1, description="The job never runs more than this times workers.min workers."
     )
-    model: ModelSpec = Field(default_factory=ModelSpec, description="The model to train.")
+    model: ModelSpec = Field(description="The model to train.")
     training: TrainingSpec = Field(
         default_factory=TrainingSpec, description="Steps, batch, optimiser and data."
     )
@@ -310,6 +341,21 @@ class JobSpec(_Spec):
         default_factory=TemplateSpec, description="Overrides for the worker pods."
     )
 
+    def contradiction(self) -> str | None:
+        """What makes this schema-valid spec impossible to run, in one line; None if nothing.
+
+        Not a validator: the API server admits such a spec (there is no CEL twin), and the
+        operator reports it on the job as condition Valid=False with an Event.
+        """
+        units = self.model.num_units
+        if self.gpus_per_worker != 1:
+            return (f"gpusPerWorker is {self.gpus_per_worker}: the agent runs one rank per pod; "
+                    "use gpusPerWorker: 1")
+        if self.workers.min > units:
+            return (f"workers.min ({self.workers.min}) exceeds the model's {units} placement "
+                    "units (embedding, blocks, head): every pipeline stage needs at least one")
+        return None
+
 
 class ObjectMeta(BaseModel):
     """The few metadata fields Tidal reads; the rest are kept as they are."""
@@ -328,7 +374,7 @@ class ElasticTrainingJob(BaseModel):
     )
     kind: Literal["ElasticTrainingJob"] = Field(KIND, description="Kind of this object.")
     metadata: ObjectMeta = Field(default_factory=ObjectMeta, description="Standard metadata.")
-    spec: JobSpec = Field(default_factory=JobSpec, description="What to train and how to scale.")
+    spec: JobSpec = Field(description="What to train and how to scale.")
     status: JobStatus | None = Field(
         None, description="Written by the operator and the agent leader; see tidal_api.status."
     )
@@ -340,6 +386,8 @@ def _first_error(err: ValidationError) -> str:
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         msg = "unknown field"
+    elif e["type"] == "missing":
+        msg = _REQUIRED.get(where, "required")
     more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
     return f"{where}: {msg}{more}"
 

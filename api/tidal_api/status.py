@@ -1,7 +1,9 @@
 """ElasticTrainingJob status: who owns which field, and the protocol they speak (DESIGN.md 3).
 
 The operator owns ``target``, ``phase``, ``conditions``, ``restarts``, ``failures`` and its
-hysteresis (``lastScaleTime``, ``lastDecision``, ``observedGeneration``); the agent leader owns
+hysteresis (``lastScaleTime``, ``lastDecision``, ``observedGeneration``), and the decision state
+that must outlive the operator process (``arrivals``, ``leaderMissingSince``): a restarted
+operator reads them back and decides as the one before it would have; the agent leader owns
 ``generation`` (applied), ``members``, ``lost``, ``layout``, ``step``, ``loss``,
 ``tokensPerSecond``, ``stepSeconds``, ``predictedStepSeconds``, ``lastSwitchSeconds`` and
 ``scaleTable``. Each side writes only its own fields, with a merge patch on the status
@@ -14,11 +16,14 @@ g+1, join: [pods]}``; the leader switches at a step boundary once every joiner w
 rendezvous and writes ``generation = g+1``. Scale down: ``target = {workers, generation: g+1,
 release: [pods], deadline}``; the leader moves state off the released pods, which exit 0, and
 the operator deletes them; past the deadline it deletes them anyway.
+
+The operator writes its fields through these types too (:func:`status_patch`), so the wire
+form of each is declared once, here.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -69,6 +74,13 @@ class Target(_Status):
     )
 
 
+class Arrival(_Status):
+    """A non-elastic GPU pod the operator saw, for the arrival rate of the Poisson rule."""
+
+    pod: str = Field(description="namespace/name of the pod.")
+    created_at: str = Field(description="RFC 3339 creationTimestamp of the pod.")
+
+
 class AppliedLayout(_Status):
     """The layout the agent runs in its applied generation."""
 
@@ -105,9 +117,20 @@ class JobStatus(_Status):
         0, ge=0, description="Of the restarts, those after a failure (spec.maxRestarts bounds "
         "them), not after a leader asked to stop."
     )
+    arrivals: tuple[Arrival, ...] = Field(
+        (), description="The non-elastic GPU pods created within spec.scaling."
+        "arrivalWindowSeconds, oldest first, also those already gone: the arrival rate the "
+        "scale-up rule estimates from them outlives the operator process."
+    )
+    leader_missing_since: str | None = Field(
+        None, description="RFC 3339 time the operator first missed the leader's pod of a job "
+        "that ran: missing long enough, the job restarts."
+    )
     # The agent leader's fields.
     generation: int = Field(0, ge=0, description="Generation the agent runs (applied).")
-    members: tuple[str, ...] = Field((), description="Pods of the applied generation, in rank order.")
+    members: tuple[str, ...] = Field(
+        (), description="Pods of the applied generation, in rank order."
+    )
     lost: tuple[str, ...] = Field(
         (), description="Pods the fault path declared lost, over the job's life: the operator "
                         "deletes any still running and never reuses their names."
@@ -124,3 +147,26 @@ class JobStatus(_Status):
         None, ge=0, description="Pause of the last layout switch: the overhead the policy weighs."
     )
     scale_table: ScaleTable | None = Field(None, description="The planner's scale table.")
+
+
+def set_condition(conditions: tuple[Condition, ...], condition: Condition) -> tuple[Condition, ...]:
+    """``conditions`` with ``condition`` in place of the one of its type (or added): its
+    lastTransitionTime is kept from the old one where the status did not change."""
+    out, found = [], False
+    for old in conditions:
+        if old.type != condition.type:
+            out.append(old)
+            continue
+        found = True
+        if old.status == condition.status:
+            condition = condition.model_copy(
+                update={"last_transition_time": old.last_transition_time})
+        out.append(condition)
+    return tuple(out) if found else (*out, condition)
+
+
+def status_patch(**fields: Any) -> dict[str, Any]:
+    """A merge patch of the given status fields (snake_case names, typed values), in their
+    wire form: validated by JobStatus, camelCase, and None as null, which deletes the field."""
+    status = JobStatus.model_validate(fields)
+    return status.model_dump(mode="json", by_alias=True, include=set(fields))

@@ -3,7 +3,9 @@
 Every write is idempotent where the API allows it: creating an object that already exists is
 success (names are deterministic), deleting one that is gone is success. Other API errors
 become ``ApiUnavailable`` so callers can back off and retry (kopf's TemporaryError in
-handlers, the next round in the control loop) rather than crash.
+handlers, the next round in the control loop) rather than crash. Every request has a timeout
+(``REQUEST_TIMEOUT_S``, and ``CONNECT_TIMEOUT_S`` to connect), kopf's as the adapter's: an API
+that stops answering costs a round, never a hung loop.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import datetime as dt
 import logging
 from typing import Any
 
+import httpx2
 from lightkube import ApiError, AsyncClient, codecs
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.generic_resource import create_namespaced_resource
@@ -26,6 +29,8 @@ ElasticTrainingJobResource = create_namespaced_resource(
     GROUP, VERSION, KIND, "elastictrainingjobs", verbs=None
 )
 COMPONENT = "tidal-operator"
+REQUEST_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 10.0
 
 
 class ApiUnavailable(RuntimeError):
@@ -37,9 +42,10 @@ def rfc3339(epoch: float) -> str:
 
 
 def _client(kubeconfig: str | None) -> AsyncClient:
-    if kubeconfig:
-        return AsyncClient(KubeConfig.from_file(kubeconfig).get(), field_manager=COMPONENT)
-    return AsyncClient(field_manager=COMPONENT)  # $KUBECONFIG, ~/.kube/config or in-cluster
+    timeout = httpx2.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+    # Without a kubeconfig: $KUBECONFIG, ~/.kube/config or in-cluster.
+    config = KubeConfig.from_file(kubeconfig).get() if kubeconfig else None
+    return AsyncClient(config, field_manager=COMPONENT, timeout=timeout)
 
 
 class Adapter:

@@ -1,44 +1,51 @@
 """kopf registrations: indexes, spec validation and the control loop's start and stop.
 
-Handlers stay thin: they turn watch events into index entries or call the Controller. kopf
-keeps its own bookkeeping in annotations (not in status, which belongs to Tidal's types).
+Handlers stay thin: they turn watch events into index entries or call the Controller. What
+they share lives in kopf's ``memo`` (the entry point sets ``config``, ``kubeconfig`` and
+``metrics_port``; the startup handler adds the ``controller`` and its task), never in module
+globals, so that two operators in one process do not share state. kopf keeps its own
+bookkeeping in annotations (not in status, which belongs to Tidal's types).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import kopf
 
 from tidal_api import GROUP, VERSION
-from tidal_operator.adapter import Adapter, ApiUnavailable
+from tidal_operator.adapter import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, Adapter, ApiUnavailable
 from tidal_operator.controller import Config, Controller
 from tidal_operator.metrics import Metrics
 from tidal_operator.snapshot import Node, gpus_of, node_of, pod_view
 
 ETJ = (GROUP, VERSION, "elastictrainingjobs")
+# The API server ends each watch after this (kopf then watches again from where it stopped);
+# the client gives up on a watch silent for a little longer, so that a dead connection is
+# noticed rather than waited on forever.
+WATCH_SERVER_TIMEOUT_S = 300.0
+WATCH_CLIENT_TIMEOUT_S = WATCH_SERVER_TIMEOUT_S + 30.0
 
-# Set by the entry point before kopf starts; the handlers below read it.
-CONFIG = Config()
-KUBECONFIG: str | None = None
-METRICS_PORT: int | None = None
-_state: dict[str, Any] = {}
+
+def memo_for(config: Config, *, kubeconfig: str | None = None,
+             metrics_port: int | None = None) -> kopf.Memo:
+    """The operator's memo, as the entry point gives it to ``kopf.run``."""
+    return kopf.Memo(config=config, kubeconfig=kubeconfig, metrics_port=metrics_port)
 
 
 @kopf.index("nodes")
 def gpu_nodes(name: str, status: kopf.Status, spec: kopf.Spec, meta: kopf.Meta,
-              **_: Any) -> dict[str, Node]:
+              memo: kopf.Memo, **_: Any) -> dict[str, Node]:
     if spec.get("unschedulable"):
         return {}
-    return {name: node_of(name, gpus_of(status.get("allocatable"), CONFIG.gpu_resource),
+    return {name: node_of(name, gpus_of(status.get("allocatable"), memo.config.gpu_resource),
                           meta.get("labels"), spec.get("taints"))}
 
 
 @kopf.index("pods")
-def cluster_pods(body: kopf.Body, **_: Any) -> dict[str, Any]:
-    pod = pod_view(body, CONFIG.gpu_resource)
+def cluster_pods(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, Any]:
+    pod = pod_view(body, memo.config.gpu_resource)
     if pod.gpus == 0:
         return {}  # CPU-only pods neither hold GPUs nor wait for them
     return {pod.key: pod}
@@ -55,57 +62,72 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-@kopf.on.startup()
-async def start(settings: kopf.OperatorSettings, gpu_nodes: kopf.Index, cluster_pods: kopf.Index,
-                elastic_jobs: kopf.Index, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf's settings: its bookkeeping in annotations, its own Events only for trouble, and
+    every timeout explicit (kopf's defaults leave watches and connections without one)."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
-    settings.posting.level = 30  # WARNING: kopf's own Events only for trouble
+    settings.posting.level = 30  # WARNING
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
+    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
+    settings.watching.connect_timeout = CONNECT_TIMEOUT_S
+    settings.networking.request_timeout = REQUEST_TIMEOUT_S
+    settings.networking.connect_timeout = CONNECT_TIMEOUT_S
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, gpu_nodes: kopf.Index,
+                cluster_pods: kopf.Index, elastic_jobs: kopf.Index, **_: Any) -> None:
+    configure(settings)
     metrics = Metrics()
-    if METRICS_PORT is not None:
-        metrics.serve(METRICS_PORT)
-    controller = Controller(adapter=Adapter(KUBECONFIG), metrics=metrics, config=CONFIG,
-                            nodes=gpu_nodes, pods=cluster_pods, jobs=elastic_jobs)
-    stop = asyncio.Event()
-    _state.update(controller=controller, stop=stop,
-                  task=asyncio.create_task(controller.run(stop), name="tidal control loop"))
+    if memo.get("metrics_port") is not None:
+        metrics.serve(memo.metrics_port)
+    controller = Controller(adapter=Adapter(memo.get("kubeconfig")), metrics=metrics,
+                            config=memo.config, nodes=gpu_nodes, pods=cluster_pods,
+                            jobs=elastic_jobs)
+    # Set before kopf starts watching: each object's memo is a shallow copy of this one.
+    memo.controller = controller
+    memo.stop = asyncio.Event()
+    memo.task = asyncio.create_task(controller.run(memo.stop), name="tidal control loop")
 
 
 @kopf.on.cleanup()
-async def stop(**_: Any) -> None:
-    if not _state:
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    controller: Controller | None = memo.pop("controller", None)
+    if controller is None:
         return
-    _state["stop"].set()
-    await _state["task"]
-    await _state["controller"].adapter.close()
-    _state.clear()
+    memo.stop.set()
+    await memo.task
+    await controller.adapter.close()
 
 
 @kopf.on.probe(id="lastRound")
-def last_round(**_: Any) -> float:
+def last_round(memo: kopf.Memo, **_: Any) -> float:
     """Seconds since the control loop's last round, for the liveness endpoint."""
-    controller = _state.get("controller")
-    return time.time() - controller.last_round if controller and controller.last_round else -1.0
+    controller: Controller | None = memo.get("controller")
+    if controller is None or not controller.last_round:
+        return -1.0
+    return controller.clock() - controller.last_round
 
 
 @kopf.on.resume(*ETJ)
 @kopf.on.create(*ETJ)
 @kopf.on.update(*ETJ, field="spec")
-async def validate(body: kopf.Body, **_: Any) -> None:
+async def validate(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Refuse a spec that cannot run with a condition and an Event; the loop does the rest."""
-    controller: Controller | None = _state.get("controller")
+    controller: Controller | None = memo.get("controller")
     if controller is None:
         raise kopf.TemporaryError("the control loop is not running yet", delay=1)
     try:
-        await controller.validate(dict(body), time.time())
+        await controller.validate(dict(body), controller.clock())
     except ApiUnavailable as err:
         raise kopf.TemporaryError(str(err), delay=5) from err
 
 
 @kopf.on.delete(*ETJ, optional=True)
-def forget(namespace: str, name: str, **_: Any) -> None:
+def forget(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Drop the job's gauges and what the loop kept of it; its pods and Service go with it
     (owner references)."""
-    controller: Controller | None = _state.get("controller")
+    controller: Controller | None = memo.get("controller")
     if controller is not None:
         controller.forget(namespace, name)

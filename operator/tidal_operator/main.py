@@ -34,14 +34,13 @@ def main(kubeconfig: str | None, namespaces: tuple[str, ...], interval: float, g
     logging.getLogger("httpx2").setLevel(logging.DEBUG if verbose else logging.WARNING)
     if kubeconfig:
         os.environ["KUBECONFIG"] = os.path.abspath(kubeconfig)  # kopf's own login reads it
-    handlers.CONFIG = Config(gpu_resource=gpu_resource, interval_s=interval)
-    handlers.KUBECONFIG = kubeconfig
-    handlers.METRICS_PORT = metrics_port
     kopf.run(
         standalone=True,
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         liveness_endpoint=liveness,
+        memo=handlers.memo_for(Config(gpu_resource=gpu_resource, interval_s=interval),
+                               kubeconfig=kubeconfig, metrics_port=metrics_port),
     )
 
 

@@ -25,6 +25,7 @@ def job():
     return parse_job({
         "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "b"},
         "spec": {
+            "workers": {"min": 2, "max": 8},
             "model": {"layers": 6, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16,
                       "mtpHeads": 2, "dropout": 0.1},
             "training": {"steps": STEPS, "globalBatchSize": 8, "microBatchSize": 2, "lr": 3e-3,
@@ -79,6 +80,7 @@ def test_one_unit_per_stage():
     small = parse_job({
         "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "s"},
         "spec": {
+            "workers": {"min": 2, "max": 8},
             "model": {"layers": 2, "dModel": 16, "heads": 2, "vocab": 32, "seqLen": 8, "mtpHeads": 1},
             "training": {"steps": 6, "globalBatchSize": 10, "microBatchSize": 2, "gradClip": 0.5},
         },

@@ -13,6 +13,7 @@ def _job(root, every):
     return parse_job({
         "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "c"},
         "spec": {
+            "workers": {"min": 2, "max": 8},
             "model": {"layers": 4, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16,
                       "mtpHeads": 1, "dropout": 0.1},
             "training": {"steps": 12, "globalBatchSize": 8, "microBatchSize": 2,

@@ -19,6 +19,7 @@ def _job(root):
     return parse_job({
         "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "f"},
         "spec": {
+            "workers": {"min": 2, "max": 8},
             "model": {"layers": 4, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16},
             "training": {"steps": 12, "globalBatchSize": 8, "microBatchSize": 2, "gradClip": 0.5},
             "checkpoint": {"path": str(root), "everySteps": 4},

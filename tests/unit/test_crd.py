@@ -29,6 +29,7 @@ from pydantic_core import PydanticUndefined
 
 from tidal_api import (
     AppliedLayout,
+    Arrival,
     Condition,
     ElasticTrainingJob,
     JobSpec,
@@ -48,7 +49,20 @@ SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 MISSING = object()
 
 
+# What every manifest must give: what to train, on how many workers.
+REQUIRED = {"workers": {"min": 2, "max": 8}, "model": {"layers": 6, "dModel": 64, "heads": 4}}
+
+
 def _doc(spec: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
+    """A manifest with ``spec``, whose ``workers`` and ``model`` fields go over REQUIRED's."""
+    spec = dict(spec or {})
+    for key, value in REQUIRED.items():
+        spec[key] = {**value, **spec.get(key, {})}
+    return _bare(spec, **top)
+
+
+def _bare(spec: dict[str, Any] | None, **top: Any) -> dict[str, Any]:
+    """A manifest with ``spec`` as it is (none if None)."""
     doc = {"apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
            "metadata": {"name": "x"}, **top}
     if spec is not None:
@@ -353,7 +367,8 @@ def test_examples_are_admitted_and_parse(doc):
 
 def test_api_server_defaults_are_the_pydantic_defaults():
     defaulted = _defaulted(SCHEMA, _doc())
-    expected = JobSpec().model_dump(mode="json", by_alias=True, exclude_none=True)
+    spec = JobSpec.model_validate(REQUIRED)
+    expected = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
 
     def without_empty(value: Any) -> Any:  # absent means empty, so the CRD leaves them out
         if isinstance(value, dict):
@@ -362,7 +377,7 @@ def test_api_server_defaults_are_the_pydantic_defaults():
         return value
 
     assert without_empty(defaulted["spec"]) == without_empty(expected)
-    assert parse_job(defaulted).spec == JobSpec()
+    assert parse_job(defaulted).spec == spec
     assert "status" not in defaulted
 
 
@@ -415,6 +430,10 @@ def test_every_cel_rule_has_a_refusal_case():
     ({"template": {"labels": {"team": 1}}}, "spec.template.labels.team"),
     ({"template": {"tolerations": ["gpu"]}}, "spec.template.tolerations.0"),
     ({"template": {"command": ["sh"]}}, "spec.template"),
+    ({"workers": {"max": 4097}}, "spec.workers.max"),
+    ({"training": {"steps": 10_000_001}}, "spec.training.steps"),
+    ({"model": {"seqLen": 2**20 + 1}}, "spec.model.seqLen"),
+    ({"training": {"globalBatchSize": 2**20 + 2}}, "spec.training.globalBatchSize"),
 ])
 def test_schema_refuses_what_parse_job_refuses(spec, where):
     errors = _admit(_doc(spec))
@@ -423,12 +442,26 @@ def test_schema_refuses_what_parse_job_refuses(spec, where):
         parse_job(_doc(spec))
 
 
+@pytest.mark.parametrize(("spec", "where"), [
+    (None, ""), ({}, "spec"), ({"model": REQUIRED["model"]}, "spec"),
+    ({"workers": REQUIRED["workers"]}, "spec"),
+    ({"workers": {"min": 2}, "model": REQUIRED["model"]}, "spec.workers"),
+    ({"workers": REQUIRED["workers"], "model": {"dModel": 64, "heads": 4}}, "spec.model"),
+])
+def test_what_to_train_and_on_how_many_workers_is_required(spec, where):
+    errors = _admit(_bare(spec))
+    assert errors and all(e.startswith(f"{where}: ") and "is a required property" in e
+                          for e in errors), errors
+    with pytest.raises(JobSpecError, match="required"):
+        parse_job(_bare(spec))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     workers=st.fixed_dictionaries({}, optional={"min": st.integers(-1, 10),
                                                 "max": st.integers(-1, 10)}),
-    model=st.fixed_dictionaries({}, optional={"dModel": st.integers(0, 48),
-                                              "heads": st.integers(0, 8)}),
+    model=st.fixed_dictionaries({"layers": st.integers(0, 3)}, optional={
+        "dModel": st.integers(0, 48), "heads": st.integers(0, 8)}),
     training=st.fixed_dictionaries({}, optional={
         "globalBatchSize": st.integers(0, 24), "microBatchSize": st.integers(0, 8),
         "data": st.fixed_dictionaries({}, optional={
@@ -437,7 +470,7 @@ def test_schema_refuses_what_parse_job_refuses(spec, where):
     }),
 )
 def test_api_server_and_parse_job_agree(workers, model, training):
-    doc = _doc({"workers": workers, "model": model, "training": training})
+    doc = _bare({"workers": workers, "model": model, "training": training})
     try:
         parse_job(doc)
         parsed = True
@@ -460,6 +493,8 @@ def test_a_full_status_is_admitted_and_survives_defaulting():
         layout=AppliedLayout(dp=1, pp=4, partition=(5, 4, 4, 2), schedule="1f1b",
                              micro_batch_size=1, num_micro_batches=1024),
         scale_table=table,
+        arrivals=(Arrival(pod="batch/train-7", created_at="2026-01-01T00:00:00Z"),),
+        leader_missing_since="2026-01-01T00:04:00Z",
     )
     doc = _doc(status=status.model_dump(mode="json", by_alias=True))
     assert _admit(doc) == []

@@ -98,6 +98,8 @@ def test_targets_that_cannot_be_applied(target, message):
     ],
 )
 def test_data_parallel_degree(parallelism, workers, dp):
-    spec = JobSpec.model_validate({"parallelism": parallelism,
+    spec = JobSpec.model_validate({"workers": {"min": 2, "max": 8},
+                                   "model": {"layers": 6, "dModel": 64, "heads": 4},
+                                   "parallelism": parallelism,
                                    "training": {"globalBatchSize": 16, "microBatchSize": 2}})
     assert data_parallel_degree(spec, 2, workers) == dp

@@ -1,9 +1,18 @@
+"""The job's spec types: defaults, one-line refusals, what is required, bounds, contradictions."""
+
 import pytest
 
 from tidal_api import JobSpecError, parse_job
+from tidal_api.spec import MAX_STEPS, MAX_WORKERS
+
+# What every manifest must give: what to train, on how many workers.
+REQUIRED = {"workers": {"min": 2, "max": 8}, "model": {"layers": 6, "dModel": 64, "heads": 4}}
 
 
 def _doc(**spec):
+    """A manifest with ``spec``; its ``workers`` and ``model`` fields go over REQUIRED's."""
+    for key, value in REQUIRED.items():
+        spec[key] = {**value, **spec.get(key, {})}
     return {"apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
             "metadata": {"name": "x"}, "spec": spec}
 
@@ -79,3 +88,65 @@ def test_bad_template_is_refused(template, where):
     with pytest.raises(JobSpecError, match=where.replace(".", r"\.")):
         parse_job(_doc(template=template))
 
+
+
+@pytest.mark.parametrize(("drop", "message"), [
+    ("model", "spec.model: required: the model to train, e.g. model: {layers: 12, dModel: 768, "
+              "heads: 12}; Tidal trains no default model"),
+    ("workers", "spec.workers: required: the worker pods the job may run with, e.g. workers: "
+                "{min: 2, max: 8}"),
+])
+def test_a_job_without_a_model_or_workers_is_refused_not_trained_as_a_toy(drop, message):
+    doc = _doc()
+    del doc["spec"][drop]
+    with pytest.raises(JobSpecError) as err:
+        parse_job(doc, "job.yaml")
+    assert str(err.value) == f"job.yaml: {message}"
+    doc = _doc()
+    doc["spec"] = {}
+    with pytest.raises(JobSpecError, match=r"^j: spec.workers: required: .* \(and 1 more\)$"):
+        parse_job(doc, "j")
+    del doc["spec"]
+    with pytest.raises(JobSpecError, match=r"^j: spec: required: what to train"):
+        parse_job(doc, "j")
+
+
+@pytest.mark.parametrize("field", ["layers", "dModel", "heads"])
+def test_a_model_gives_its_size(field):
+    doc = _doc()
+    del doc["spec"]["model"][field]
+    with pytest.raises(JobSpecError, match=f"spec.model.{field}: required$"):
+        parse_job(doc)
+
+
+@pytest.mark.parametrize(("spec", "where"), [
+    ({"workers": {"max": MAX_WORKERS + 1}}, "spec.workers.max"),
+    ({"workers": {"min": MAX_WORKERS + 1, "max": MAX_WORKERS + 1}}, "spec.workers.min"),
+    ({"training": {"steps": MAX_STEPS + 1}}, "spec.training.steps"),
+    ({"model": {"layers": 1025}}, "spec.model.layers"),
+    ({"model": {"dModel": 65536 * 2, "heads": 4}}, "spec.model.dModel"),
+    ({"model": {"heads": 2048, "dModel": 4096}}, "spec.model.heads"),
+    ({"model": {"seqLen": 2**20 + 1}}, "spec.model.seqLen"),
+    ({"training": {"globalBatchSize": 2**20 + 2}}, "spec.training.globalBatchSize"),
+    ({"training": {"microBatchSize": 2**16 + 1, "globalBatchSize": 2**17 + 2}},
+     "spec.training.microBatchSize"),
+])
+def test_counts_and_sizes_have_upper_bounds(spec, where):
+    with pytest.raises(JobSpecError, match=f"{where}: Input should be less than or equal to"):
+        parse_job(_doc(**spec))
+
+
+def test_the_largest_counts_and_sizes_are_admitted():
+    job = parse_job(_doc(workers={"min": 1, "max": MAX_WORKERS}, training={"steps": MAX_STEPS}))
+    assert (job.spec.workers.max, job.spec.training.steps) == (4096, 10_000_000)
+
+
+def test_contradictions_are_reported_in_one_line():
+    spec = parse_job(_doc()).spec
+    assert spec.contradiction() is None
+    wide = spec.model_copy(update={"gpus_per_worker": 2})
+    assert "gpusPerWorker is 2" in wide.contradiction()
+    too_many = parse_job(_doc(workers={"min": 9, "max": 12})).spec
+    assert too_many.contradiction() == (
+        "workers.min (9) exceeds the model's 8 placement units (embedding, blocks, head): every "
+        "pipeline stage needs at least one")
