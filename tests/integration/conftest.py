@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal_kube.emulator import EmulatorThread
+from tidal_kube.serving import EmulatorThread
 
 
 @pytest.fixture

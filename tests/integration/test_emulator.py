@@ -27,10 +27,15 @@ from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
 
 from tests import tools
-from tidal_kube.emulator import (Emulator, human_duration, label_selector, merge_patch, serve,
-                                     strategic_merge_patch, write_kubeconfig)
-from tidal_kube.localcluster import (DURATION_ANNOTATION, ClusterApi, Kubelet, Scheduler,
-                                         create_nodes, node_manifests, register_nodes, run)
+from tidal_kube.apiserver import Emulator
+from tidal_kube.clusterapi import ClusterApi
+from tidal_kube.kubelet import DURATION_ANNOTATION, Kubelet
+from tidal_kube.localcluster import create_nodes, node_manifests, register_nodes, run
+from tidal_kube.patches import merge_patch, strategic_merge_patch
+from tidal_kube.scheduler import Scheduler
+from tidal_kube.selector import label_selector
+from tidal_kube.serving import serve, write_kubeconfig
+from tidal_kube.tables import human_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 ETJ = "/apis/tidal.dev/v1alpha1/namespaces/default/elastictrainingjobs"
@@ -634,10 +639,17 @@ async def test_scheduler_binds_by_gpus_and_kubelet_runs_for_the_duration(served,
             "node-0", "node-1", "node-1", None, None]
         waiting = {c["type"]: c for c in placed["d"]["status"]["conditions"]}["PodScheduled"]
         assert (waiting["status"], waiting["reason"]) == ("False", "Unschedulable")
-        assert waiting["message"] == "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+        assert waiting["message"] == (
+            "0/2 nodes are available: 2 Insufficient nvidia.com/gpu. preemption: 0/2 nodes are "
+            "available: 2 No preemption victims found for incoming pod.")
         waiting = {c["type"]: c for c in placed["e"]["status"]["conditions"]}["PodScheduled"]
         assert waiting["message"] == (
-            "0/2 nodes are available: 2 node(s) didn't match Pod's node affinity/selector.")
+            "0/2 nodes are available: 2 node(s) didn't match Pod's node affinity/selector. "
+            "preemption: 0/2 nodes are available: 2 Preemption is not helpful for scheduling.")
+        assert sorted((e["involvedObject"]["name"], e["message"])
+                      for e in await failed_scheduling(api)) == [
+            ("d", placed["d"]["status"]["conditions"][-1]["message"]),
+            ("e", placed["e"]["status"]["conditions"][-1]["message"])]
 
         version = served.emulator.resource_version
         assert await Scheduler(cluster).step() == []  # restarted: nothing new, nothing written
@@ -685,7 +697,79 @@ async def test_scheduler_keeps_pods_off_nodes_whose_taints_they_do_not_tolerate(
         assert await Scheduler(cluster).step() == ["default/tolerant"]
         plain = {c["type"]: c for c in (await api.get(f"{PODS}/plain"))["status"]["conditions"]}
         assert plain["PodScheduled"]["message"] == (
-            "0/1 nodes are available: 1 node(s) had untolerated taint(s).")
+            "0/1 nodes are available: 1 node(s) had untolerated taint {dedicated: inference}. "
+            "preemption: 0/1 nodes are available: 1 Preemption is not helpful for scheduling.")
+
+
+async def failed_scheduling(api: Api) -> list[dict[str, Any]]:
+    return [e for e in (await api.get("/api/v1/namespaces/default/events"))["items"]
+            if e["reason"] == "FailedScheduling"]
+
+
+@pytest.mark.asyncio
+async def test_an_unschedulable_pod_gets_a_failed_scheduling_event_once_per_reason(served, api):
+    """As kube-scheduler: a Warning Event on the pod saying why each node refused it (the first
+    filter that did, in kube-scheduler's order), not repeated while the reason holds, counted
+    up when it comes back."""
+    gpus = node_manifests(3, 2)
+    gpus[0]["spec"] = {"taints": [{"key": "dedicated", "value": "inference",
+                                   "effect": "NoSchedule"}]}
+    for node, zone in zip(gpus, "aab", strict=True):  # node-1 in zone a, but with 2 GPUs
+        node["metadata"]["labels"]["zone"] = zone
+    async with ClusterApi(served.url) as cluster:
+        assert await Scheduler(cluster).step() == []
+        for node in gpus:
+            await cluster.request("POST", "/api/v1/nodes", node)
+        await api.create(PODS, gpu_pod("big", 4, nodeSelector={"zone": "a"}))
+        created = await api.get(f"{PODS}/big")
+        assert await Scheduler(cluster).step() == []
+        [event] = await failed_scheduling(api)
+        message = ("0/3 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) didn't "
+                   "match Pod's node affinity/selector, 1 node(s) had untolerated taint "
+                   "{dedicated: inference}. preemption: 0/3 nodes are available: 1 No preemption "
+                   "victims found for incoming pod, 2 Preemption is not helpful for scheduling.")
+        assert event["message"] == message
+        assert (event["type"], event["reason"], event["action"], event["count"]) == (
+            "Warning", "FailedScheduling", "Scheduling", 1)
+        assert event["involvedObject"] == {
+            "apiVersion": "v1", "kind": "Pod", "name": "big", "namespace": "default",
+            "uid": created["metadata"]["uid"],
+            "resourceVersion": created["metadata"]["resourceVersion"]}
+        assert event["source"] == {"component": "default-scheduler"}
+        assert event["reportingComponent"] == "default-scheduler"
+        assert event["firstTimestamp"] == event["lastTimestamp"]
+        condition = (await api.get(f"{PODS}/big"))["status"]["conditions"][-1]
+        assert (condition["reason"], condition["message"]) == ("Unschedulable", message)
+
+        for _ in range(3):  # the same reason: said once, nothing written
+            version = served.emulator.resource_version
+            assert await Scheduler(cluster).step() == []
+            assert served.emulator.resource_version == version
+        assert [e["count"] for e in await failed_scheduling(api)] == [1]
+
+        # Another reason (a fourth node), another Event; back to the first, the first counts up.
+        (extra,) = node_manifests(1, 2, prefix="extra")
+        extra["metadata"]["labels"]["zone"] = "a"
+        await cluster.request("POST", "/api/v1/nodes", extra)
+        assert await Scheduler(cluster).step() == []
+        later = {e["message"]: e for e in await failed_scheduling(api)}
+        assert later.keys() == {message, (
+            "0/4 nodes are available: 1 node(s) didn't match Pod's node affinity/selector, "
+            "1 node(s) had untolerated taint {dedicated: inference}, 2 Insufficient "
+            "nvidia.com/gpu. preemption: 0/4 nodes are available: 2 No preemption victims found "
+            "for incoming pod, 2 Preemption is not helpful for scheduling.")}
+        assert later[message]["count"] == 1
+        await api.delete("/api/v1/nodes/extra-0")
+        assert await Scheduler(cluster).step() == []
+        again = {e["message"]: e for e in await failed_scheduling(api)}
+        assert len(again) == 2 and again[message]["count"] == 2
+
+        for node in ("node-0", "node-1", "node-2"):
+            await api.delete(f"/api/v1/nodes/{node}")
+        assert await Scheduler(cluster).step() == []
+        condition = (await api.get(f"{PODS}/big"))["status"]["conditions"][-1]
+        assert condition["message"] == "no nodes available to schedule pods"
+        assert len(await failed_scheduling(api)) == 3
 
 
 def test_local_cluster_runs_beside_a_threaded_emulator(emulator):
@@ -802,6 +886,14 @@ async def test_openapi_v3_leaves_field_validation_to_the_server(api, crd):
     assert patch["x-kubernetes-group-version-kind"] == {
         "group": "tidal.dev", "version": "v1alpha1", "kind": "ElasticTrainingJob"}
     assert "fieldValidation" in {p["name"] for p in patch["parameters"]}
+    assert "requestBody" not in patch  # so kubectl sends merge patches, not strategic ones
+    schema = document["components"]["schemas"]["dev.tidal.v1alpha1.ElasticTrainingJob"]
+    assert schema["x-kubernetes-group-version-kind"] == [
+        {"group": "tidal.dev", "version": "v1alpha1", "kind": "ElasticTrainingJob"}]
+    assert schema["properties"]["spec"] == CRD["spec"]["versions"][0]["schema"][
+        "openAPIV3Schema"]["properties"]["spec"]
+    meta = schema["properties"]["metadata"]["allOf"][0]["$ref"].rpartition("/")[2]
+    assert "name" in document["components"]["schemas"][meta]["properties"]
     nodes = (await api.get("/openapi/v3/api/v1"))["paths"]["/api/v1/nodes/{name}"]["patch"]
     assert nodes["x-kubernetes-group-version-kind"]["kind"] == "Node"
     await api.call("GET", "/openapi/v3/apis/nothing.example/v1", expect=404)
@@ -888,3 +980,56 @@ def test_kubectl_applies_gets_describes_and_watches(emulator):
     refused = _kubectl(emulator, "create", "deployment", "d", "--image=x", check=False)
     assert refused.returncode != 0 and "not protobuf" in refused.stderr
     assert "No resources found" in _kubectl(emulator, "get", "pods", "-A").stderr
+
+
+def _words(text: str) -> str:
+    """Text with its line breaks and indents as single spaces: kubectl wraps descriptions."""
+    return " ".join(text.split())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_kubectl_explains_a_custom_resource_from_its_crd(emulator):
+    """``kubectl explain`` reads the CRD's openAPIV3Schema from the OpenAPI v3 document of its
+    group-version: each field with its type and description, ObjectMeta behind metadata, and an
+    error for a field the schema lacks."""
+    crd_file = ROOT / "crds" / "elastictrainingjobs.tidal.dev.yaml"
+    _kubectl(emulator, "apply", "-f", str(crd_file))
+    schema = yaml.safe_load(crd_file.read_text())["spec"]["versions"][0]["schema"]
+    spec = schema["openAPIV3Schema"]["properties"]["spec"]
+    for path, node in (("elastictrainingjob.spec", spec),
+                       ("etj.spec.workers", spec["properties"]["workers"])):
+        explained = _kubectl(emulator, "explain", path).stdout
+        assert explained.startswith(
+            "GROUP:      tidal.dev\nKIND:       ElasticTrainingJob\nVERSION:    v1alpha1\n")
+        assert f"FIELD: {path.rsplit('.', 1)[1]} <Object>" in explained
+        assert _words(node["description"]) in _words(explained)
+        for name, field in node["properties"].items():
+            shown = {"object": "Object"}.get(field["type"], field["type"])
+            assert re.search(rf"^  {name}\t<{shown}>", explained, re.MULTILINE), (name, explained)
+            assert _words(field["description"]) in _words(explained), name
+    whole = _kubectl(emulator, "explain", "etj").stdout
+    assert re.search(r"^  metadata\t<ObjectMeta>", whole, re.MULTILINE)
+    assert "Name must be unique" in _kubectl(emulator, "explain", "etj.metadata").stdout
+    missing = _kubectl(emulator, "explain", "etj.spec.nothing", check=False)
+    assert missing.returncode != 0 and 'field "nothing" does not exist' in missing.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_kubectl_describe_shows_why_a_pod_waits(emulator):
+    """The scheduler's FailedScheduling Event, where ``kubectl describe pod`` lists it."""
+    register_nodes(emulator.url, 2, 1)
+    emulator.call(emulator.emulator.create, gpu_pod("big", 2))
+
+    async def one_pass() -> list[str]:
+        async with ClusterApi(emulator.url) as cluster:
+            return await Scheduler(cluster).step()
+
+    assert emulator.call(one_pass) == []
+    described = _kubectl(emulator, "describe", "pod", "big").stdout
+    events = described[described.index("Events:"):]
+    assert re.search(r"Warning\s+FailedScheduling\s+\S+\s+default-scheduler\s+0/2 nodes are "
+                     r"available: 2 Insufficient nvidia\.com/gpu\. preemption: 0/2 nodes are "
+                     r"available: 2 No preemption victims found for incoming pod\.$",
+                     events, re.MULTILINE), events
