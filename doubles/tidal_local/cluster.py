@@ -8,7 +8,9 @@ pods as processes, the real operator and a generator of competing GPU jobs.
 2. creates what ``helm install`` of the chart would create around the operator: the CRD
    (built by :func:`tidal_api.crd.crd`, which ``crds/`` is generated from), the workers'
    ServiceAccount ``tidal-worker`` and the PriorityClasses
-   ``tidal-elastic`` (workers yield) and ``tidal-default``;
+   ``tidal-elastic`` (workers yield) and ``tidal-default``, owned by the release that
+   ``helm install tidal charts/tidal --namespace tidal`` makes, so that this install adopts
+   them instead of refusing to touch them;
 3. registers ``nodes`` Ready nodes with ``gpus_per_node`` GPUs each;
 4. runs the scheduler and kubelet of :mod:`tidal_kube.localcluster`, the kubelet with
    :class:`~tidal_local.processes.AgentProcesses` as its runtime: worker pods run
@@ -38,7 +40,7 @@ from tidal_api import keys
 from tidal_api.crd import crd
 from tidal_kube import localcluster
 from tidal_operator.builders import WORKER_SERVICE_ACCOUNT
-from tidal_kube.emulator import EmulatorThread
+from tidal_kube.serving import EmulatorThread
 from tidal_local.arrivals import ArrivalConfig, ArrivalGenerator
 from tidal_local.processes import RUN_ENV, AgentProcesses, free_port, spawn, terminate
 
@@ -55,6 +57,21 @@ PRIORITY_CLASSES = (
      "description": "The Tidal operator and non-elastic work that opts in, above elastic "
                     "workers."},
 )
+
+# Helm installs over an existing object only when it carries the release's ownership metadata
+# ("invalid ownership metadata" otherwise), and the PriorityClasses are cluster-wide: without
+# this, the documented `helm install tidal charts/tidal --namespace tidal --create-namespace`
+# fails against `tidal local up`. The CRD needs none: Helm skips a chart's crds/ that exist.
+HELM_RELEASE = "tidal"
+HELM_RELEASE_NAMESPACE = "tidal"
+
+
+def owned_by_release(metadata: dict[str, Any]) -> dict[str, Any]:
+    """``metadata`` with the ownership metadata of the release ``tidal`` in namespace
+    ``tidal``, which Helm checks before it adopts an object that exists."""
+    return {**metadata, "labels": {"app.kubernetes.io/managed-by": "Helm"},
+            "annotations": {"meta.helm.sh/release-name": HELM_RELEASE,
+                            "meta.helm.sh/release-namespace": HELM_RELEASE_NAMESPACE}}
 
 
 class ClusterError(RuntimeError):
@@ -87,10 +104,12 @@ def prerequisites(namespace: str) -> list[dict[str, Any]]:
     the two PriorityClasses."""
     objects = [crd()]
     objects.append({"apiVersion": "v1", "kind": "ServiceAccount",
-                    "metadata": {"name": WORKER_SERVICE_ACCOUNT, "namespace": namespace}})
+                    "metadata": owned_by_release({"name": WORKER_SERVICE_ACCOUNT,
+                                                  "namespace": namespace})})
     for priority_class in PRIORITY_CLASSES:
         objects.append({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
-                        "globalDefault": False, **priority_class})
+                        "globalDefault": False, **priority_class,
+                        "metadata": owned_by_release(priority_class["metadata"])})
     return objects
 
 

@@ -8,9 +8,11 @@ operator, checked bit for bit against a static run.
    is written to ``<workdir>/job.yaml`` and applied with the real ``kubectl apply -f``.
 3. Every second the demo looks at the cluster through the API (:mod:`.observe`): a live view
    on a terminal, one line per decision elsewhere; the looks make the timeline.
-4. Once the job has Succeeded (or the time is up) the cluster stops, leaving no process.
-5. ``tidal run <workdir>/job.yaml --workers <min>`` trains the same job statically; its
-   per-step ``float.hex`` losses and parameter digest are compared with the leader's report.
+4. Once the leader has written its report and the operator has marked the job Succeeded (or
+   the time is up) the cluster stops, leaving no process.
+5. ``tidal run <workdir>/job.yaml --workers <min>`` trains the same job statically, its
+   progress shown as it goes; its per-step ``float.hex`` losses and parameter digest are
+   compared with the leader's report.
 6. The report (JSON), the plot (PNG) and a summary table.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +32,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from tidal_local.arrivals import ArrivalConfig
@@ -36,6 +40,7 @@ from tidal_local.binaries import ensure_kubectl
 from tidal_local.cluster import ClusterConfig, LocalCluster
 from tidal_local.observe import DECISIONS, ClusterView, observe, render
 from tidal_local.processes import spawn, terminate
+from tidal_operator.snapshot import FINISHED_PHASES
 
 # The job's length is set from the minutes: a step of the demo job takes 0.12-0.25 s on a
 # 2-core machine (more workers than cores slow it down), and the agents need about half a
@@ -43,6 +48,13 @@ from tidal_local.processes import spawn, terminate
 STEP_SECONDS = 0.2
 STARTUP_SECONDS = 30.0
 MIN_STEPS = 100
+# The operator marks the job Succeeded a round or two after its leader's last step; past this
+# the demo goes on without it (the summary shows the phase the job was left in).
+SUCCEEDED_WITHIN_S = 30.0
+# Without a terminal, the static run's progress is a line per tenth of its steps.
+PROGRESS_LINES = 10
+# A step line of `tidal run`'s output: "step    12  pp2  loss 5.4820 ..."
+STEP_LINE = re.compile(rb"^step +(\d+) ", re.MULTILINE)
 
 
 class DemoError(RuntimeError):
@@ -129,7 +141,8 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     if elastic is not None:
         console.print(f"static run for the bitwise check: tidal run {job_path} --workers "
                       f"{doc['spec']['workers']['min']}")
-        static = static_run(job_path, doc["spec"]["workers"]["min"], config.workdir)
+        static = static_run(job_path, doc["spec"]["workers"]["min"], config.workdir,
+                            steps=steps, console=console)
         report.update(compare(elastic, static))
     else:
         report.update(bitwise_equal=False, params_equal=False,
@@ -147,15 +160,14 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
 
 def _follow(cluster: LocalCluster, job: str, report: Path, deadline_s: float,
             config: DemoConfig, console: Console) -> tuple[list[dict[str, Any]], ClusterView]:
-    """Look every second until the job's leader has written its report or time is up.
-
-    The report, not the job's phase, marks the end: a scale-up issued in the job's last steps
-    is never applied (the agent switches only before its last step), and the operator then
-    leaves the finished job in phase Scaling."""
+    """Look every second until the job's leader has written its report and the operator has
+    marked the job finished (:data:`SUCCEEDED_WITHIN_S` at most after the report), or time is
+    up. The report alone would leave the summary with the phase before the last one."""
     live = console.is_terminal if config.live is None else config.live
     timeline: list[dict[str, Any]] = []
     seen: set[tuple[str, str, str]] = set()
     started, last_line = time.monotonic(), 0.0
+    reported_at: float | None = None
     view = observe(cluster.url, cluster.started_at)
     with Live(render(view), console=console, refresh_per_second=2, transient=False) if live \
             else nullcontext() as screen:
@@ -175,10 +187,18 @@ def _follow(cluster: LocalCluster, job: str, report: Path, deadline_s: float,
                 if time.monotonic() - last_line > 15:
                     last_line = time.monotonic()
                     console.print(_line(view, job), soft_wrap=True)
-            if _complete(report):
+            if reported_at is None and _complete(report):
+                reported_at = time.monotonic()
+            if reported_at is not None and (
+                    _phase(view, job) in FINISHED_PHASES
+                    or time.monotonic() - reported_at > SUCCEEDED_WITHIN_S):
                 break
             time.sleep(1.0)
     return timeline, view
+
+
+def _phase(view: ClusterView, job: str) -> str | None:
+    return next((j.phase for j in view.jobs if j.name == job), None)
 
 
 def _complete(report: Path) -> bool:
@@ -236,20 +256,65 @@ def _report(config: DemoConfig, doc: dict[str, Any], timeline: list[dict[str, An
     }
 
 
-def static_run(job_path: Path, workers: int, workdir: Path, timeout_s: float = 900) -> dict:
-    """``tidal run JOB --workers N``: the same job without any change of worker count."""
+def static_run(job_path: Path, workers: int, workdir: Path, *, steps: int,
+               console: Console | None = None, timeout_s: float = 900) -> dict:
+    """``tidal run JOB --workers N``: the same job without any change of worker count, its
+    ``steps`` followed in its log: a progress bar on a terminal, else a line per tenth."""
+    console = console or Console()
     out = workdir / "static.json"
+    log_path = workdir / "logs" / "static.log"
     tidal = Path(sys.executable).with_name("tidal")
+    start = log_path.stat().st_size if log_path.is_file() else 0  # the log is appended to
     proc = spawn([str(tidal), "run", str(job_path), "--workers", str(workers), "--report",
-                  str(out)], env=dict(os.environ), log_path=workdir / "logs" / "static.log")
+                  str(out)], env=dict(os.environ), log_path=log_path)
     try:
-        code = proc.wait(timeout_s)
+        code = follow_static_run(proc, log_path, start, steps, console, timeout_s)
     except BaseException:  # Ctrl-C or the timeout: leave nothing behind
         terminate(proc, grace_s=5.0)
         raise
     if code != 0:
         raise DemoError(f"the static run failed (exit {code}); see {workdir / 'logs/static.log'}")
     return json.loads(out.read_text())
+
+
+def follow_static_run(proc: subprocess.Popen, log_path: Path, start: int, steps: int,
+                      console: Console, timeout_s: float) -> int:
+    """Wait for the static run, showing the steps its log has reached past byte ``start``;
+    its exit code."""
+    deadline = time.monotonic() + timeout_s
+    every = max(1, steps // PROGRESS_LINES)
+    shown = 0
+
+    def show(done: int) -> None:
+        nonlocal shown
+        bar.update(task, completed=done)
+        if not console.is_terminal and done > shown and (done - shown >= every or done == steps):
+            shown = done
+            console.print(f"  static run: step {done}/{steps}")
+
+    columns = (TextColumn("static run"), BarColumn(), MofNCompleteColumn(),
+               TimeRemainingColumn())
+    bar = Progress(*columns, console=console, transient=True)
+    task = bar.add_task("static run", total=steps)
+    with bar if console.is_terminal else nullcontext():
+        while (code := proc.poll()) is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(proc.args, timeout_s)
+            show(steps_logged(log_path, start))
+            time.sleep(0.5)
+        show(steps_logged(log_path, start))  # the steps logged since the last look
+    return code
+
+
+def steps_logged(log_path: Path, start: int = 0) -> int:
+    """Steps that ``tidal run`` has reported in its log past byte ``start``."""
+    try:
+        with log_path.open("rb") as log:
+            log.seek(start)
+            numbers = STEP_LINE.findall(log.read())
+    except OSError:
+        return 0
+    return max((int(n) + 1 for n in numbers), default=0)
 
 
 def compare(elastic: dict[str, Any], static: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tidal_api import GROUP, VERSION, keys
-from tidal_kube.localcluster import FINISHED, GPU, gpu_request, node_gpus
+from tidal_kube.clusterapi import FINISHED, GPU, gpu_request, node_gpus
 
 Obj = dict[str, Any]
 DECISIONS = ("ScaleUp", "ScaleDown", "DrainDeadline")

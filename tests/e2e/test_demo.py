@@ -130,6 +130,8 @@ def test_demo_grows_and_shrinks_through_the_operator_bitwise_as_a_static_run(tmp
 
     result = json.loads(report.read_text())
     assert result["finished"] and result["steps"] == 300
+    assert result["phase"] == "Succeeded"  # the summary waited for the operator's verdict
+    assert "  static run: step 300/300" in output.splitlines(), output[-4000:]  # its progress
     assert result["scale_ups"] >= 1 and result["scale_downs"] >= 1
     assert result["decisions"][0]["reason"] == "ScaleUp"  # the burst comes after it
     assert result["bitwise_equal"] is True and result["params_equal"] is True

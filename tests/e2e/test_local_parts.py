@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ def test_trace_durations_are_scaled_and_clamped(tmp_path):
 
 
 def test_batch_pods_and_prerequisites_pass_the_emulators_admission():
-    from tidal_kube.emulator import EmulatorThread
+    from tidal_kube.serving import EmulatorThread
 
     with EmulatorThread() as cluster:
         for obj in prerequisites("default"):
@@ -158,3 +159,53 @@ def test_the_live_view_shows_gpus_workers_layout_step_loss_and_decisions():
     for shown in ("GPUs 8", "idle 1", "pending pods 1 (2 GPUs)", "node-0 ███", "dp1 x pp3",
                   "120/750", "1.2345", "9,000", "0:R 3:T", "ScaleDown PendingGPUPods: 4 -> 3"):
         assert shown in text, (shown, text)
+
+
+def test_the_set_up_puts_kubectl_and_helm_in_the_venv_and_installs_prometheus(tmp_path):
+    """The Makefile's set-up (the .venv rule, run by `make test` and `make demo`) extracts
+    kubectl and helm next to the virtual environment's python, where `source
+    .venv/bin/activate` puts them on the PATH, and installs Prometheus where it is missing."""
+    setup = subprocess.run(["make", "-n", "-B", ".venv/.installed"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert setup.returncode == 0, setup.stderr
+    assert ".venv/bin/python -m tidal_local.binaries" in setup.stdout.splitlines()
+    assert "apt-get install -y -qq --no-install-recommends prometheus" in setup.stdout
+    test = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert "command -v prometheus" in test.stdout  # checked again before the tests
+
+    done = subprocess.run([sys.executable, "-m", "tidal_local.binaries", "--into",
+                           str(tmp_path / "bin")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    kubectl = subprocess.run([str(tmp_path / "bin" / "kubectl"), "version", "--client"],
+                             capture_output=True, text=True, timeout=60)
+    assert "Client Version: v1.33" in kubectl.stdout, kubectl.stderr
+    helm = subprocess.run([str(tmp_path / "bin" / "helm"), "version", "--short"],
+                          capture_output=True, text=True, timeout=60)
+    assert helm.stdout.startswith("v4."), helm.stderr
+
+
+def test_the_static_run_shows_its_progress_from_its_log(tmp_path):
+    """The demo's static re-run is a `tidal run` process: its step lines, read from its log,
+    make a line per tenth of the steps where no terminal shows a bar."""
+    from rich.console import Console
+
+    from tidal_local.demo import follow_static_run, steps_logged
+    from tidal_local.processes import spawn
+
+    log = tmp_path / "static.log"
+    log.write_text("step    99  pp1  loss 1.0000  an earlier run's\n")
+    start = log.stat().st_size
+    fake_run = ("import sys, time\n"
+                "print('tiny: 20 steps\\n  from step     0: 2 workers, dp1 pp2', flush=True)\n"
+                "for step in range(20):\n"
+                "    print(f'step {step:5d}  pp2  loss 5.0000     10.0 ms', flush=True)\n"
+                "    time.sleep(0.15)\n")
+    proc = spawn([sys.executable, "-c", fake_run], env={}, log_path=log)
+    console = Console(record=True, force_terminal=False, width=100)
+    assert follow_static_run(proc, log, start, 20, console, timeout_s=60) == 0
+    lines = console.export_text().splitlines()
+    assert lines[-1] == "  static run: step 20/20", lines
+    assert 2 <= len(lines) <= 11 and all(line.startswith("  static run: step ") for line in lines)
+    assert steps_logged(log, start) == 20 and steps_logged(log) == 100
+    assert steps_logged(tmp_path / "missing.log") == 0

@@ -37,7 +37,8 @@ from tests.integration.test_operator import ETJ, table, wait_for
 from tidal_api import keys, parse_job
 from tidal_kube import localcluster
 from tidal_operator import builders
-from tidal_kube.emulator import EmulatorThread, parse_path, write_kubeconfig
+from tidal_kube.apiserver import parse_path
+from tidal_kube.serving import EmulatorThread, write_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tidal"
@@ -536,7 +537,7 @@ def test_rbac_grants_exactly_what_the_operator_and_the_agent_use(installed, tmp_
     (its pods created and deleted, its Service, status and Events written); the agent's
     control link reads the job, watches it and publishes status. Each runs as the
     ServiceAccount the chart made, told apart by its token."""
-    from tidal_agent.control import ControlLink  # torch: only this test needs it
+    from tidal_agent.link import ControlLink
 
     ns = "tidal"
     operator_token = f"system:serviceaccount:{ns}:tidal-operator"
@@ -606,3 +607,32 @@ def test_rbac_grants_exactly_what_the_operator_and_the_agent_use(installed, tmp_
              if obj["kind"] in ("ClusterRole", "Role")}
     compare(grants(rules["ClusterRole"]), used_by(installed, operator_token), "the operator")
     compare(grants(rules["Role"]), used_by(installed, worker_token), "the agent")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_helm_installs_as_documented_over_what_tidal_local_up_created(tmp_path):
+    """``helm install tidal charts/tidal --namespace tidal --create-namespace`` against ``tidal
+    local up``, which created the CRD, the PriorityClasses and the workers' ServiceAccount in
+    the chart's stead: Helm adopts them (it refused before: "invalid ownership metadata")."""
+    from tidal_local.cluster import ClusterConfig, LocalCluster
+
+    with LocalCluster(ClusterConfig(workdir=tmp_path / "local", nodes=1,
+                                    gpus_per_node=1)) as cluster:
+        config = cluster.kubeconfig
+        done = helm("install", "tidal", str(CHART), "--namespace", "tidal", "--create-namespace",
+                    kubeconfig=config)
+        assert done.returncode == 0, done.stderr
+        classes = json.loads(kubectl(config, "get", "priorityclasses", "-o", "json"))["items"]
+        labels = {c["metadata"]["name"]: c["metadata"].get("labels", {}) for c in classes}
+        for name in (keys.ELASTIC_PRIORITY_CLASS, keys.DEFAULT_PRIORITY_CLASS):
+            assert labels[name]["app.kubernetes.io/instance"] == "tidal", labels  # the chart's
+        # The workers' ServiceAccount that local up made in its namespace is adopted as well.
+        done = helm("upgrade", "tidal", str(CHART), "--namespace", "tidal",
+                    "--set", "workers.extraNamespaces={default}", kubeconfig=config)
+        assert done.returncode == 0, done.stderr
+        account = json.loads(kubectl(config, "get", "-n", "default", "serviceaccount",
+                                     builders.WORKER_SERVICE_ACCOUNT, "-o", "json"))
+        assert account["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+        assert "deployed" in helm("status", "tidal", "-n", "tidal", kubeconfig=config).stdout
+        cluster.check()  # the API served every request helm and kubectl made

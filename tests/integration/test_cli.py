@@ -1,6 +1,7 @@
 """The ``tidal`` command as a user runs it: real processes, real files."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,8 @@ def test_run_uses_the_planners_layout(tmp_path):
     result = tidal("run", TINY, "--workers", "3", "--steps", "3", "--report", report)
     assert result.returncode == 0, result.stderr
     assert "planned (modeled" in result.stderr and "measured" in result.stderr
+    # It says which device it planned for: cpu by default, where tidal plan's is h100.
+    assert re.search(r"predicted [\d.]+ ms/step on device cpu\)", result.stderr), result.stderr
     [gen] = json.loads(report.read_text())["layouts"]
     job = load_job(TINY)
     expected, prediction = LayoutPlanner(job, DEVICES["cpu"]).layout(3)
@@ -123,9 +126,12 @@ def test_plan_prints_the_scale_table(tmp_path):
     assert ScaleTable.model_validate_json(out.read_text()) == table
     assert (table.min_workers, table.max_workers, table.device) == (2, 4, "cpu")
     assert sorted([r.workers for r in table.rows] + [d.workers for d in table.dropped]) == [2, 3, 4]
-    shown = tidal("plan", TINY, "--device", "h100")
+    shown = tidal("plan", TINY, "--device", "cpu")
     assert shown.returncode == 0, shown.stderr
-    assert "tiny: scale table (modeled predictor, h100)" in shown.stdout
+    assert "tiny: scale table (modeled predictor, device cpu)" in shown.stdout
+    default = tidal("plan", TINY)  # not tidal run's default: it says which
+    assert default.returncode == 0, default.stderr
+    assert "tiny: scale table (modeled predictor, device h100)" in default.stdout
 
 
 @pytest.mark.parametrize(
@@ -135,6 +141,10 @@ def test_plan_prints_the_scale_table(tmp_path):
         ([], "give either JOB_FILE or --flextrain NAME"),
         ([TINY, "--flextrain", "small"], "give either JOB_FILE or --flextrain NAME"),
         ([TINY, "--profile", "missing.json"], "missing.json"),
+        ([TINY, "--profile", TINY], f"{TINY} is not a profile: write one with tidal run "
+                                    "--profile"),
+        ([TINY, "--profile", ROOT / "examples" / "scale-tables" / "flextrain-small-pp.json"],
+         "flextrain-small-pp.json: profile lacks 'units': write it with tidal run --profile"),
     ],
 )
 def test_plan_bad_input_gets_one_clear_line(args, message):
@@ -142,6 +152,25 @@ def test_plan_bad_input_gets_one_clear_line(args, message):
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_profile_that_is_json_but_no_object_gets_one_clear_line(tmp_path):
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]\n")
+    result = tidal("plan", TINY, "--profile", listed)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"Error: {listed} is not a profile: write one with tidal " \
+                                    "run --profile"
+
+
+def test_data_synth_into_a_missing_directory_gets_one_clear_line(tmp_path):
+    out = tmp_path / "missing" / "tokens.bin"
+    result = tidal("data", "synth", out, "--tokens", "100")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"Error: {out}: the directory {out.parent} does not exist"
+    made = tidal("data", "synth", tmp_path / "tokens.bin", "--tokens", "100")
+    assert made.returncode == 0, made.stderr
+    assert (tmp_path / "tokens.bin").stat().st_size == 200
 
 
 @pytest.mark.slow

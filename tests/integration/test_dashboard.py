@@ -4,7 +4,7 @@ An elastic run end to end: the Kubernetes API emulator with the local scheduler 
 (one node of 3 GPUs), the real ``tidal-operator`` process, and one ``tidal agent`` process per
 worker pod that the operator creates, started as a kubelet would with the pod's environment
 (the rendezvous on localhost). The job starts at 2 workers and grows into the idle GPU. A real
-Prometheus (Debian's ``prometheus`` package, installed by .ci/run) scrapes the operator and
+Prometheus (Debian's ``prometheus`` package, installed by make test) scrapes the operator and
 every agent each second; then every panel query and annotation of
 charts/tidal/dashboards/tidal.json, with the template variables filled in, must return a
 series with a number in it, and the variables' ``label_values`` must offer the job.
@@ -35,7 +35,7 @@ from lightkube.resources.core_v1 import Pod
 
 from tidal_api import keys
 from tidal_kube import localcluster
-from tidal_kube.emulator import EmulatorThread, load_manifests
+from tidal_kube.serving import EmulatorThread, load_manifests
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,7 @@ class Prometheus:
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail("the prometheus binary is not installed: apt-get install prometheus "
-                        "(.ci/run does it before make test)")
+                        "(make test does it where apt-get can)")
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             # Tidal's series carry namespace and job labels of their own: keep them.

@@ -1,15 +1,19 @@
-"""The operator's pure parts: pod and Service manifests, index entries, conditions, checks."""
+"""The operator's pure parts: pod and Service manifests, index entries, the policy's view."""
 
 from pathlib import Path
 
+import kopf
 import pytest
 import yaml
 
-from tidal_api import keys, parse_job
+from tidal_api import JobStatus, keys, parse_job
 from tidal_kube import localcluster
-from tidal_operator import builders
-from tidal_operator.controller import _set_condition, contradiction
-from tidal_operator.snapshot import pod_gpus, pod_view
+from tidal_operator import builders, handlers
+from tidal_operator.adapter import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S
+from tidal_operator.controller import Config, Controller
+from tidal_operator.handlers import gpu_nodes, memo_for
+from tidal_operator.snapshot import Placement, Taint, Toleration, node_of, pod_gpus, pod_view
+from tidal_operator.view import JobView
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,31 +85,7 @@ def test_pod_view_reads_gpus_node_job_and_unschedulable():
     assert pod_view(body, "nvidia.com/gpu").deleting  # asked to go; it may still run
 
 
-def test_condition_transition_time_moves_only_with_its_status():
-    first = _set_condition([], "Ready", "False", "Starting", "m1", now=100.0, generation=1)
-    same = _set_condition(first, "Ready", "False", "Starting", "m2", now=200.0, generation=1)
-    flipped = _set_condition(same, "Ready", "True", "Running", "m3", now=300.0, generation=1)
-    assert first[0]["lastTransitionTime"] == same[0]["lastTransitionTime"] == "1970-01-01T00:01:40Z"
-    assert same[0]["message"] == "m2"
-    assert flipped[0]["lastTransitionTime"] == "1970-01-01T00:05:00Z"
-    assert len(flipped) == 1
-
-
-def test_contradictions_are_reported_in_one_line(job):
-    assert contradiction(job) is None
-    wide = job.model_copy(update={"spec": job.spec.model_copy(update={"gpus_per_worker": 2})})
-    assert "gpusPerWorker is 2" in contradiction(wide)
-    too_many = parse_job({**job.model_dump(by_alias=True, exclude_none=True),
-                          "spec": {**job.spec.model_dump(by_alias=True, exclude_none=True),
-                                   "workers": {"min": 9, "max": 12}}})
-    assert "exceeds the model's 8 placement units" in contradiction(too_many)
-
-
 def test_placement_reaches_the_policy_from_nodes_pods_and_the_jobs_template(job):
-    from tidal_api import JobStatus
-    from tidal_operator.controller import Controller, _JobState
-    from tidal_operator.snapshot import Placement, Taint, Toleration, node_of
-
     doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     doc["spec"]["template"] = {
         "nodeSelector": {"gpu": "a100"},
@@ -119,8 +99,8 @@ def test_placement_reaches_the_policy_from_nodes_pods_and_the_jobs_template(job)
     pod = builders.worker_pod(placed, uid="u-1", index=1, generation=0)
     assert pod_view(pod, "nvidia.com/gpu").placement == expected
     # the job as the policy sees it
-    state = _JobState("default/tiny", doc, placed, JobStatus())
-    assert Controller(adapter=None, metrics=None)._elastic_job(state).placement == expected
+    view = JobView("default/tiny", doc, placed, JobStatus())
+    assert Controller(adapter=None, metrics=None)._elastic_job(view).placement == expected
     assert pod_view({"metadata": {"name": "p"}, "spec": {}}, "nvidia.com/gpu").placement == (
         Placement())
     # nodes: labels and taints (one without an effect, which the API refuses, as NoSchedule)
@@ -130,14 +110,17 @@ def test_placement_reaches_the_policy_from_nodes_pods_and_the_jobs_template(job)
     assert node.taints == (Taint("dedicated", "train", "NoExecute"), Taint("x", "", "NoSchedule"))
     assert not node.open_to_all and expected.allows(node) and not Placement().allows(node)
     assert node_of("m", 8, None, None) == type(node)("m", 8)
-    from tidal_operator.handlers import gpu_nodes
-
+    memo = memo_for(Config())  # as the entry point gives it to kopf.run
     indexed = gpu_nodes(name="n", status={"allocatable": {"nvidia.com/gpu": "8"}},
                         spec={"taints": [{"key": "dedicated", "value": "train",
                                           "effect": "NoExecute"}, {"key": "x"}]},
-                        meta={"labels": {"gpu": "a100"}})
+                        meta={"labels": {"gpu": "a100"}}, memo=memo)
     assert indexed == {"n": node}
-    assert gpu_nodes(name="n", status={}, spec={"unschedulable": True}, meta={}) == {}
+    assert gpu_nodes(name="n", status={}, spec={"unschedulable": True}, meta={},
+                     memo=memo) == {}
+    amd = memo_for(Config(gpu_resource="amd.com/gpu"))
+    assert gpu_nodes(name="n", status={"allocatable": {"nvidia.com/gpu": "8"}}, spec={},
+                     meta={}, memo=amd)["n"].gpus == 0
 
 
 @pytest.mark.parametrize(("containers", "init", "gpus"), [
@@ -155,3 +138,26 @@ def test_a_pod_holds_the_gpus_the_scheduler_counts(containers, init, gpus):
             "initContainers": [{"resources": r} for r in init]}
     assert pod_gpus(spec, "nvidia.com/gpu") == gpus
     assert localcluster.gpu_request({"spec": spec}) == gpus
+
+
+def test_startup_sets_every_watch_and_request_timeout():
+    """kopf leaves watches and connections without a timeout by default: silent hangs."""
+    settings = kopf.OperatorSettings()
+    assert settings.watching.server_timeout is None and settings.networking.connect_timeout is None
+    handlers.configure(settings)
+    watching, networking = settings.watching, settings.networking
+    assert watching.server_timeout == handlers.WATCH_SERVER_TIMEOUT_S
+    assert watching.client_timeout > watching.server_timeout  # the server ends a watch first
+    assert watching.connect_timeout == networking.connect_timeout == CONNECT_TIMEOUT_S
+    assert networking.request_timeout == REQUEST_TIMEOUT_S
+
+
+def test_the_handlers_read_their_operators_config_from_its_memo():
+    pod = builders.worker_pod(parse_job(yaml.safe_load((ROOT / "examples" / "tiny.yaml")
+                                                       .read_text())),
+                              uid="u", index=0, generation=0)
+    nvidia, amd = memo_for(Config()), memo_for(Config(gpu_resource="amd.com/gpu"))
+    assert handlers.cluster_pods(body=pod, memo=nvidia) == {
+        "default/tiny-worker-0": pod_view(pod, "nvidia.com/gpu")}
+    assert handlers.cluster_pods(body=pod, memo=amd) == {}  # no AMD GPUs: not indexed
+    assert (nvidia.config, nvidia.kubeconfig, nvidia.metrics_port) == (Config(), None, None)
