@@ -70,7 +70,8 @@ from tidal_agent.recovery import rebuild, save_cut
 from tidal_agent.snapshot import Cut, PeerSnapshots
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer, model_config
-from tidal_agent.world import Rendezvous, World, WorldBuilder, build_world, drop_default_group
+from tidal_agent.world import (Rendezvous, World, WorldBuilder, build_world, drop_default_group,
+                               ensure_default_group)
 from tidal_api import JobSpec, keys
 from tidal_plan.elastic import Generation
 from tidal_plan.keepers import keepers, keepers_stay
@@ -161,8 +162,16 @@ class _Worker:
         return self.opts.stop is not None and self.opts.stop.is_set()
 
     def _trainer(self, gen: Generation, world: World, *, initialise: bool) -> Trainer:
-        return Trainer(spec=self.spec, layout=self.source.layout(gen), world=world,
-                       device=self.device, clip_mode=self.opts.clip_mode, initialise=initialise)
+        trainer = Trainer(spec=self.spec, layout=self.source.layout(gen), world=world,
+                          device=self.device, clip_mode=self.opts.clip_mode,
+                          initialise=initialise)
+        if self.opts.checkpoint_root:
+            # Checkpoints need the default process group. Joined here, with the world, where
+            # every member is; joined at the generation's first save instead, a member lost
+            # just before it left the others in a store rendezvous that no closed connection
+            # ends, for the whole rendezvous timeout before the fault path could start.
+            ensure_default_group(world)
+        return trainer
 
     def run(self) -> None:
         started = self.source.start(self.me)

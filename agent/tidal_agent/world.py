@@ -7,7 +7,8 @@ can be built in a background thread while the current one trains, and subgroups 
 of a pipeline rank) need no participation from non-members.
 
 Checkpoints go through torch.distributed.checkpoint, which wants the default process group:
-``ensure_default_group`` (re)initialises it for the current generation on demand.
+``ensure_default_group`` (re)initialises it for a generation: the worker does so as it builds
+the generation's trainer, where every member is (see ``Worker._trainer``).
 """
 
 from __future__ import annotations

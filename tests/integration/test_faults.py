@@ -2,14 +2,19 @@
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from tidal_agent import checkpoint
 from tidal_agent.runner import RunError, elastic_plan, resolve_layout, run_elastic, run_local
+from tidal_agent.world import Rendezvous, build_world, ensure_default_group
 from tidal_api import parse_job
+from tidal_local.processes import free_port
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 20
@@ -60,3 +65,53 @@ def test_lost_joiner_stops_a_switch(tmp_path):
     with pytest.raises(RunError, match=r"worker-2 exited with code -9"):
         run_elastic(job, gens, layouts, steps=12, timeout_s=TIMEOUT_S, on_step=_kill("worker-2"))
     assert not [p for p in mp.active_children() if p.name.startswith("tidal-")]
+
+
+def _saver(rank: int, port: int, root: str, joined: bool, errors) -> None:
+    """One member of a two-member world that saves a checkpoint; member 1 is lost (exits)
+    before the save, having joined the checkpoints' default group with the world or not."""
+    import torch
+
+    torch.set_num_threads(1)
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, prefix="save/", timeout_s=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0,
+                          timeout=timedelta(seconds=TIMEOUT_S), use_libuv=True)
+    world = build_world(rendezvous, 0, ("a", "b"), "ab"[rank], store=store)
+    if joined:
+        ensure_default_group(world)  # as the worker does as it builds a generation's trainer
+    if rank == 1:
+        os._exit(0)  # lost just before the save: stopped, then killed
+    started = time.monotonic()
+    try:
+        checkpoint.save_state({"w": torch.zeros(4)}, world, root, 4, "test", 1)
+    except Exception as err:  # noqa: BLE001 - what the survivor's fault path would see
+        errors.put((type(err).__name__, str(err)[:200], time.monotonic() - started))
+    else:
+        errors.put(None)
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["joined-with-the-world", "at-the-save"])
+def test_a_member_lost_before_a_save_fails_the_survivor_by_a_closed_connection(tmp_path, joined):
+    """A checkpoint's default process group is joined with the generation's world (the worker's
+    _trainer), so a member lost before the generation's first save fails the survivor's save at
+    once, by a closed connection, and the fault path starts. Joined at the save, the survivor
+    waits out the store's rendezvous: the hang behind test_drain_deadline's rare timeout."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = free_port()
+    members = [ctx.Process(target=_saver, args=(rank, port, str(tmp_path), joined, errors))
+               for rank in range(2)]
+    for member in members:
+        member.start()
+    try:
+        kind, message, _ = errors.get(timeout=3 * TIMEOUT_S)
+    finally:
+        for member in members:
+            member.join(10)
+            if member.is_alive():
+                member.kill()
+    if joined:
+        assert kind == "RuntimeError" and re.search(r"Connection (closed|reset) by peer",
+                                                    message), message
+    else:
+        assert kind == "DistStoreError" and "timeout" in message, message
