@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
 
-from tidal_api import DroppedRow, ScaleRow, ScaleTable  # noqa: E402
+from tidal_api import DroppedRow, Layout, ScaleRow, ScaleTable  # noqa: E402
 from tidal_operator.policy import decide  # noqa: E402
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot  # noqa: E402
 
@@ -43,9 +43,10 @@ def scale_table(job: str, tokens_per_second: dict[int, float], min_workers: int,
     first = min(tokens_per_second.values())
     rows = tuple(
         ScaleRow(
-            workers=w, gpus=w * gpus_per_worker, dp=1, pp=w * gpus_per_worker,
-            partition=(1,) * (w * gpus_per_worker), schedule="1f1b", micro_batch_size=1,
-            num_micro_batches=8, step_seconds=8 * 1024 / tps, tokens_per_second=tps,
+            workers=w, gpus=w * gpus_per_worker,
+            layout=Layout(pp=w * gpus_per_worker, partition=(1,) * (w * gpus_per_worker),
+                          micro_batch_size=1, num_micro_batches=8),
+            step_seconds=8 * 1024 / tps, tokens_per_second=tps,
             peak_memory_bytes=2**30, speedup=tps / first, predictor="modeled",
         )
         for w, tps in sorted(tokens_per_second.items())

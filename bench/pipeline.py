@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
 
 from tidal_agent.model import StageModule, UnitContext, build_unit  # noqa: E402
-from tidal_agent.trainer import Trainer, batch_source, model_config  # noqa: E402
+from tidal_agent.trainer import Trainer, batch_source  # noqa: E402
 from tidal_agent.world import Rendezvous, build_world  # noqa: E402
 from tidal_api import parse_job  # noqa: E402
 from tidal_plan.layout import build_layout  # noqa: E402
@@ -77,19 +77,20 @@ def _worker(rank: int, pp: int, port: int, steps: int, warmup: int, job: dict, r
     world = build_world(Rendezvous(host="127.0.0.1", port=port, prefix=f"pp{pp}/tidal/",
                                    timeout_s=300), 0, members, members[rank])
     spec = parse_job(job).spec
-    config = model_config(spec)
+    model = spec.model
     t = spec.training
-    layout = build_layout(num_units=config.num_units, workers=pp, micro_batch_size=t.micro_batch_size,
+    layout = build_layout(num_units=model.num_units, workers=pp,
+                          micro_batch_size=t.micro_batch_size,
                           num_micro_batches=t.num_micro_batches, schedule="1f1b")
     device = torch.device("cpu")
     tidal = Trainer(spec=spec, layout=layout, world=world, device=device)
 
     # Torch's side: the same units; the LM head becomes its loss_fn on the last stage.
-    head_unit = config.num_units - 1
+    head_unit = model.num_units - 1
     units = layout.stage_units(rank)
     last = rank == pp - 1
-    body = StageModule(config, range(units.start, head_unit) if last else units, t.seed)
-    head = build_unit(config, head_unit, t.seed) if last else None
+    body = StageModule(model, range(units.start, head_unit) if last else units, t.seed)
+    head = build_unit(model, head_unit, t.seed) if last else None
     stage = PipelineStage(_TorchStage(body, first=rank == 0), rank, pp, device)
 
     def loss_fn(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -99,7 +100,7 @@ def _worker(rank: int, pp: int, port: int, steps: int, warmup: int, job: dict, r
     schedule = Schedule1F1B(stage, n_microbatches=t.num_micro_batches, loss_fn=loss_fn)
     params = list(body.parameters()) + (list(head.parameters()) if head else [])
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, foreach=False)
-    batches = batch_source(spec, config)
+    batches = batch_source(spec)
 
     def torch_step(step: int) -> float:
         tokens = torch.cat([batches.micro_batch(step, m) for m in range(t.num_micro_batches)])

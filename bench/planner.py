@@ -67,7 +67,8 @@ def build(name: str, elastic: str, write: bool, repeat: int = 1) -> dict:
             "gpus": run.gpus[0],
             "slides": {"dp": run.dp, "pp": run.pp, "cp": run.cp, "ep": run.ep},
             "planned": None if first is None else {
-                "gpus": first.gpus, "dp": first.dp, "pp": first.pp, "schedule": first.schedule,
+                "gpus": first.gpus, "dp": first.layout.dp, "pp": first.layout.pp,
+                "schedule": first.layout.schedule.value,
                 "peak_gib": round(first.peak_memory_bytes / 2**30, 1),
             },
         },

@@ -49,7 +49,8 @@ import yaml  # noqa: E402
 
 from tidal_agent.runner import run_local  # noqa: E402
 from tidal_api import ElasticTrainingJob, parse_job  # noqa: E402
-from tidal_plan.layout import Layout, build_layout, even_partition  # noqa: E402
+from tidal_api.layout import Layout  # noqa: E402
+from tidal_plan.layout import build_layout, even_partition  # noqa: E402
 from tidal_plan.profiled import Profile, predict_profiled  # noqa: E402
 
 # (workers, schedule, micro-batch size as a multiple of the job's, partition, virtual stages)

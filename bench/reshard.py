@@ -45,7 +45,6 @@ import torch.distributed as dist  # noqa: E402
 
 from tidal_agent.model import global_parameters  # noqa: E402
 from tidal_agent.runner import elastic_plan, resolve_layout, run_elastic, run_local  # noqa: E402
-from tidal_agent.trainer import model_config  # noqa: E402
 from tidal_api import parse_job  # noqa: E402
 
 
@@ -144,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         MODEL.update(layers=4, dModel=32, vocab=64, seqLen=16)
-    params = sum(shape.numel() for _, shape, _ in global_parameters(model_config(_job().spec)))
+    params = sum(shape.numel() for _, shape, _ in global_parameters(_job().spec.model))
     print(f"model: {params / 1e6:.1f}M parameters (+ AdamW moments)", file=sys.stderr)
     switches = _alternate(args.rounds, {"hot": (hot_switch, ()),
                                         "restart": (checkpoint_restart, ())}, "pause_s")

@@ -28,7 +28,6 @@ from reshard import _job  # noqa: E402  (the same model and job as the reshard b
 from tidal_agent.runner import resolve_layout, run_local  # noqa: E402
 from tidal_agent.snapshot import state_index  # noqa: E402
 from tidal_agent.switch import state_metadata  # noqa: E402
-from tidal_agent.trainer import model_config  # noqa: E402
 from tidal_plan.reshard import Placement  # noqa: E402
 
 
@@ -43,7 +42,7 @@ def _state_bytes(workers: int) -> int:
     job = _job()
     layout = resolve_layout(job, workers=workers)
     placement = Placement(layout=layout, workers=tuple(range(workers)))
-    metas = state_metadata(model_config(job.spec))
+    metas = state_metadata(job.spec.model)
     return 4 * max(sum(n for _, n in state_index(metas, placement, w).values())
                    for w in range(workers))  # float32
 

@@ -71,12 +71,12 @@ def calibrate_stage(
 
 def _time_group(group: list[Unit], m: int, tokens, opt) -> dict[str, float]:
     """One F, B, F, I, W and post-pipeline pass of ``group`` on ``m`` samples, timed."""
-    config = group[0].config
-    last = group[-1].index == config.num_units - 1
+    model = group[0].model
+    last = group[-1].index == model.num_units - 1
     gen = torch.Generator().manual_seed(group[0].index)  # never the global generator
     x0 = None
     if group[0].index > 0:
-        x0 = torch.randn(m, config.seq_len, config.d_model, generator=gen)
+        x0 = torch.randn(m, model.seq_len, model.d_model, generator=gen)
     weights = [p for u in group for p in u.parameters()]
     out: dict[str, float] = {}
 

@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tidal_api import ElasticTrainingJob, JobSpecError, parse_job
+from tidal_api.layout import LayoutError, ScheduleKind
 from tidal_plan.devices import DeviceError, load_device
 from tidal_plan.elastic import ScheduleError, parse_worker_schedule
-from tidal_plan.layout import LayoutError, ScheduleKind
 from tidal_plan.planner import LayoutPlanner, plan_flextrain, plan_job
 from tidal_plan.profiled import ProfileError, load_profile
 
@@ -275,11 +275,13 @@ def _print_table(table) -> None:
                  "step s", "tokens/s", "peak GiB", "speedup"):
         view.add_column(name, justify="left" if name in ("partition", "schedule") else "right")
     for row in table.rows:
-        schedule = row.schedule + (f" v{row.virtual_stages}" if row.virtual_stages > 1 else "")
+        lay = row.layout
+        schedule = lay.schedule.value + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1
+                                         else "")
         view.add_row(
-            str(row.workers), str(row.gpus), str(row.dp), str(row.pp),
-            ",".join(map(str, row.partition)), schedule,
-            f"{row.micro_batch_size}x{row.num_micro_batches}", f"{row.step_seconds:.4g}",
+            str(row.workers), str(row.gpus), str(lay.dp), str(lay.pp),
+            ",".join(map(str, lay.partition)), schedule,
+            f"{lay.micro_batch_size}x{lay.num_micro_batches}", f"{row.step_seconds:.4g}",
             f"{row.tokens_per_second:,.0f}", f"{row.peak_memory_bytes / 2**30:.2f}",
             f"{row.speedup:.2f}x",
         )

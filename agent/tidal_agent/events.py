@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tidal_plan.layout import Layout
+from tidal_api.layout import Layout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -40,8 +40,8 @@ from tidal_agent.protocol import Halt, LeaderLost, Recovery
 from tidal_agent.report import AgentReport
 from tidal_agent.snapshot import Cut, choose_cut
 from tidal_api import Target
+from tidal_api.layout import Layout, LayoutError
 from tidal_plan.elastic import Generation, TargetError, next_generation
-from tidal_plan.layout import Layout, LayoutError
 
 log = logging.getLogger("tidal.agent")
 

@@ -1,4 +1,4 @@
-"""A GPT-style decoder as an ordered list of placement units.
+"""A GPT-style decoder as an ordered list of placement units, built from the job's ModelSpec.
 
 Units, in order: the embedding, ``layers`` transformer blocks, the final norm + LM head, and
 ``mtp_heads`` multi-token-prediction heads. Every unit maps a hidden state to a hidden state;
@@ -15,49 +15,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tidal_agent.seeding import derive_seed
+from tidal_api.spec import ModelSpec
 
 MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's lambda, shared by the MTP heads
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelConfig:
-    layers: int
-    d_model: int
-    heads: int
-    vocab: int
-    seq_len: int
-    mtp_heads: int = 0
-    dropout: float = 0.0
-    mlp_ratio: int = 4
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.heads:
-            raise ValueError(f"heads ({self.heads}) must divide d_model ({self.d_model})")
-
-    @property
-    def num_units(self) -> int:
-        return self.layers + 2 + self.mtp_heads
-
-    @property
-    def sample_len(self) -> int:
-        """Tokens per sample: inputs plus the targets of the LM head and every MTP head."""
-        return self.seq_len + 1 + self.mtp_heads
-
-    def unit_name(self, unit: int) -> str:
-        if unit == 0:
-            return "embed"
-        if unit <= self.layers:
-            return f"blocks.{unit - 1}"
-        if unit == self.layers + 1:
-            return "head"
-        return f"mtp.{unit - self.layers - 2}"
+def unit_name(model: ModelSpec, unit: int) -> str:
+    """The global name of placement unit ``unit``: its parameters' prefix on every stage."""
+    if unit == 0:
+        return "embed"
+    if unit <= model.layers:
+        return f"blocks.{unit - 1}"
+    if unit == model.layers + 1:
+        return "head"
+    return f"mtp.{unit - model.layers - 2}"
 
 
 class UnitContext:
@@ -96,10 +73,10 @@ class Unit(nn.Module):
     """A placement unit; ``forward`` returns the next hidden state and an optional loss."""
 
     index: int
-    config: ModelConfig
+    model: ModelSpec
 
     def _generator(self, ctx: UnitContext) -> torch.Generator | None:
-        if self.config.dropout == 0.0:
+        if self.model.dropout == 0.0:
             return None
         gen = torch.Generator(device=ctx.device)
         gen.manual_seed(derive_seed(ctx.seed, "dropout", ctx.step, ctx.mb, self.index))
@@ -107,25 +84,25 @@ class Unit(nn.Module):
 
 
 class Embedding(Unit):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, model: ModelSpec, index: int) -> None:
         super().__init__()
-        self.config, self.index = config, index
-        self.wte = nn.Embedding(config.vocab, config.d_model)
-        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        self.model, self.index = model, index
+        self.wte = nn.Embedding(model.vocab, model.d_model)
+        self.wpe = nn.Embedding(model.seq_len, model.d_model)
 
     def forward(self, h: torch.Tensor | None, ctx: UnitContext):
-        idx = ctx.tokens[:, : self.config.seq_len]
-        pos = torch.arange(self.config.seq_len, device=idx.device)
+        idx = ctx.tokens[:, : self.model.seq_len]
+        pos = torch.arange(self.model.seq_len, device=idx.device)
         h = self.wte(idx) + self.wpe(pos)
-        return _dropout(h, self.config.dropout, self._generator(ctx)), None
+        return _dropout(h, self.model.dropout, self._generator(ctx)), None
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, model: ModelSpec) -> None:
         super().__init__()
-        self.heads = config.heads
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.heads = model.heads
+        self.qkv = nn.Linear(model.d_model, 3 * model.d_model)
+        self.proj = nn.Linear(model.d_model, model.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -136,28 +113,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, model: ModelSpec) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.d_model, config.mlp_ratio * config.d_model)
-        self.fc2 = nn.Linear(config.mlp_ratio * config.d_model, config.d_model)
+        self.fc1 = nn.Linear(model.d_model, model.mlp_ratio * model.d_model)
+        self.fc2 = nn.Linear(model.mlp_ratio * model.d_model, model.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
 
 
 class Block(Unit):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, model: ModelSpec, index: int) -> None:
         super().__init__()
-        self.config, self.index = config, index
-        self.ln1 = nn.LayerNorm(config.d_model)
-        self.attn = Attention(config)
-        self.ln2 = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
+        self.model, self.index = model, index
+        self.ln1 = nn.LayerNorm(model.d_model)
+        self.attn = Attention(model)
+        self.ln2 = nn.LayerNorm(model.d_model)
+        self.mlp = MLP(model)
 
     def forward(self, h: torch.Tensor, ctx: UnitContext):
         gen = self._generator(ctx)
-        h = h + _dropout(self.attn(self.ln1(h)), self.config.dropout, gen)
-        h = h + _dropout(self.mlp(self.ln2(h)), self.config.dropout, gen)
+        h = h + _dropout(self.attn(self.ln1(h)), self.model.dropout, gen)
+        h = h + _dropout(self.mlp(self.ln2(h)), self.model.dropout, gen)
         return h, None
 
 
@@ -167,15 +144,15 @@ class LossHead(Unit):
     The LM head has offset 1; MTP head ``k`` (0-based) has offset ``k + 2``.
     """
 
-    def __init__(self, config: ModelConfig, index: int, offset: int, weight: float) -> None:
+    def __init__(self, model: ModelSpec, index: int, offset: int, weight: float) -> None:
         super().__init__()
-        self.config, self.index = config, index
+        self.model, self.index = model, index
         self.offset, self.weight = offset, weight
-        self.norm = nn.LayerNorm(config.d_model)
-        self.proj = nn.Linear(config.d_model, config.vocab, bias=False)
+        self.norm = nn.LayerNorm(model.d_model)
+        self.proj = nn.Linear(model.d_model, model.vocab, bias=False)
 
     def forward(self, h: torch.Tensor, ctx: UnitContext):
-        t = self.config.seq_len
+        t = self.model.seq_len
         logits = self.proj(self.norm(h))
         targets = ctx.tokens[:, self.offset : self.offset + t]
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -184,33 +161,33 @@ class LossHead(Unit):
         return h.clone(), loss * self.weight
 
 
-def build_unit(config: ModelConfig, unit: int, seed: int) -> Unit:
+def build_unit(model: ModelSpec, unit: int, seed: int) -> Unit:
     """Build placement unit ``unit`` with initial values drawn from (seed, unit) alone."""
-    module = _construct_unit(config, unit)
-    _initialise(module, config, derive_seed(seed, "init", unit))
+    module = _construct_unit(model, unit)
+    _initialise(module, model, derive_seed(seed, "init", unit))
     return module
 
 
-def _construct_unit(config: ModelConfig, unit: int) -> Unit:
-    if not 0 <= unit < config.num_units:
-        raise ValueError(f"unit {unit} is outside the model's {config.num_units} units")
+def _construct_unit(model: ModelSpec, unit: int) -> Unit:
+    if not 0 <= unit < model.num_units:
+        raise ValueError(f"unit {unit} is outside the model's {model.num_units} units")
     if unit == 0:
-        module: Unit = Embedding(config, unit)
-    elif unit <= config.layers:
-        module = Block(config, unit)
-    elif unit == config.layers + 1:
-        module = LossHead(config, unit, offset=1, weight=1.0)
+        module: Unit = Embedding(model, unit)
+    elif unit <= model.layers:
+        module = Block(model, unit)
+    elif unit == model.layers + 1:
+        module = LossHead(model, unit, offset=1, weight=1.0)
     else:
-        k = unit - config.layers - 2
-        module = LossHead(config, unit, offset=k + 2, weight=MTP_LOSS_WEIGHT / config.mtp_heads)
+        k = unit - model.layers - 2
+        module = LossHead(model, unit, offset=k + 2, weight=MTP_LOSS_WEIGHT / model.mtp_heads)
     return module
 
 
 @torch.no_grad()
-def _initialise(module: Unit, config: ModelConfig, seed: int) -> None:
+def _initialise(module: Unit, model: ModelSpec, seed: int) -> None:
     # GPT-2 initialisation, drawn in parameter-name order from the unit's own generator.
     gen = torch.Generator().manual_seed(seed)
-    residual_std = 0.02 / math.sqrt(2 * config.layers)
+    residual_std = 0.02 / math.sqrt(2 * model.layers)
     for name, param in module.named_parameters():
         if name.endswith("bias"):
             param.zero_()
@@ -225,23 +202,23 @@ class StageModule(nn.Module):
     """The placement units of one pipeline stage, under their global names."""
 
     def __init__(
-        self, config: ModelConfig, units: range, seed: int, *, initialise: bool = True
+        self, model: ModelSpec, units: range, seed: int, *, initialise: bool = True
     ) -> None:
         super().__init__()
-        self.config, self.units = config, units
+        self.model, self.units = model, units
         if initialise:
-            built = {u: build_unit(config, u, seed) for u in units}
+            built = {u: build_unit(model, u, seed) for u in units}
         else:  # values arrive from a checkpoint or a reshard: skip drawing them
             with torch.device("meta"):
-                built = {u: _construct_unit(config, u) for u in units}
+                built = {u: _construct_unit(model, u) for u in units}
         blocks = {str(u - 1): m for u, m in built.items() if isinstance(m, Block)}
-        mtp = {str(u - config.layers - 2): m for u, m in built.items() if u > config.layers + 1}
+        mtp = {str(u - model.layers - 2): m for u, m in built.items() if u > model.layers + 1}
         if 0 in built:
             self.embed = built[0]
         if blocks:
             self.blocks = nn.ModuleDict(blocks)
-        if config.layers + 1 in built:
-            self.head = built[config.layers + 1]
+        if model.layers + 1 in built:
+            self.head = built[model.layers + 1]
         if mtp:
             self.mtp = nn.ModuleDict(mtp)
         self._ordered = [built[u] for u in units]
@@ -265,23 +242,23 @@ class StageModule(nn.Module):
         return sum(isinstance(u, LossHead) for u in self._ordered)
 
 
-def loss_units(config: ModelConfig) -> list[int]:
+def loss_units(model: ModelSpec) -> list[int]:
     """Placement units that produce a loss, in unit order."""
-    return list(range(config.layers + 1, config.num_units))
+    return list(range(model.layers + 1, model.num_units))
 
 
-def global_parameters(config: ModelConfig) -> list[tuple[str, torch.Size, int]]:
+def global_parameters(model: ModelSpec) -> list[tuple[str, torch.Size, int]]:
     """(name, shape, unit) of every parameter, in global order (unit order, then module order)."""
     out = []
-    for unit in range(config.num_units):
+    for unit in range(model.num_units):
         with torch.device("meta"):
-            module = _construct_unit(config, unit)
+            module = _construct_unit(model, unit)
         out.extend(
-            (f"{config.unit_name(unit)}.{n}", p.shape, unit) for n, p in module.named_parameters()
+            (f"{unit_name(model, unit)}.{n}", p.shape, unit) for n, p in module.named_parameters()
         )
     return out
 
 
-def global_parameter_names(config: ModelConfig) -> list[str]:
+def global_parameter_names(model: ModelSpec) -> list[str]:
     """Every parameter name of the whole model, in global order."""
-    return [name for name, _, _ in global_parameters(config)]
+    return [name for name, _, _ in global_parameters(model)]

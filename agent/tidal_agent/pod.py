@@ -28,13 +28,13 @@ from tidal_agent.link import ControlError, ControlLink
 from tidal_agent.metrics import AgentMetrics, JobMetrics
 from tidal_agent.model import global_parameter_names
 from tidal_agent.report import AgentReport
-from tidal_agent.trainer import model_config, params_sha256
+from tidal_agent.trainer import params_sha256
 from tidal_agent.worker import WorkerOptions, train
 from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob, JobSpec, keys
+from tidal_api.layout import Layout, LayoutError
 from tidal_plan.devices import Device, load_device
 from tidal_plan.elastic import data_parallel_degree
-from tidal_plan.layout import Layout, LayoutError
 from tidal_plan.planner import LayoutPlanner, plan_job
 
 log = logging.getLogger("tidal.agent")
@@ -220,7 +220,7 @@ def _leader_report(job: str, spec: JobSpec, source: ControlledGenerations, repor
         digests.update({int(k): (name, digest) for k, (name, digest) in received.items()})
     return {
         **_run_record(job, source, report),
-        "params_sha256": params_sha256(digests, len(global_parameter_names(model_config(spec)))),
+        "params_sha256": params_sha256(digests, len(global_parameter_names(spec.model))),
     }
 
 

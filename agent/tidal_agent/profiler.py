@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal_agent.model import StageModule, UnitContext
+from tidal_api import Layout, ModelSpec
 from tidal_plan.ir import Action
 
 # What ``tidal_agent.calibrate`` times per unit and per stage (the action kinds and the
@@ -160,7 +161,8 @@ class UnitProfiler:
         return out
 
 
-def build_profile(parts: list[dict], layout, steps: tuple[int, int], config) -> dict:
+def build_profile(parts: list[dict], layout: Layout, steps: tuple[int, int],
+                  model: ModelSpec) -> dict:
     """The job's profile from every rank's part: per unit costs, P2P cost, rank speeds.
 
     A rank's relative speed compares its median transformer-block forward time with the
@@ -171,7 +173,7 @@ def build_profile(parts: list[dict], layout, steps: tuple[int, int], config) -> 
     for part in parts:
         for unit, costs in part["units"].items():
             units[str(unit)] = {**costs, "rank": part["rank"]}
-            if 1 <= int(unit) <= config.layers:
+            if 1 <= int(unit) <= model.layers:
                 block_times[part["rank"]].append(costs["forward_s"])
     typical = statistics.median(t for ts in block_times.values() for t in ts)
     ranks = {
@@ -191,7 +193,7 @@ def build_profile(parts: list[dict], layout, steps: tuple[int, int], config) -> 
         "layout": layout.to_dict(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
-        "seq_tokens": config.seq_len,
+        "seq_tokens": model.seq_len,
         "optimizer_s_per_param_byte": statistics.median(per_byte),
         "profiled_steps": list(range(*steps)),
         "micro_batch_size": layout.micro_batch_size,

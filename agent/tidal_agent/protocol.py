@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tidal_agent.snapshot import Cut
+from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation
-from tidal_plan.layout import Layout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tidal_agent import checkpoint
-from tidal_agent.model import ModelConfig, global_parameter_names
+from tidal_agent.model import global_parameter_names
 from tidal_agent.snapshot import Cut, PeerSnapshots
 from tidal_agent.switch import execute_reshard, incoming, state_shapes
 from tidal_agent.trainer import Trainer
 from tidal_agent.world import World
+from tidal_api import ModelSpec
 from tidal_plan.reshard import Placement, TensorMeta, plan_reshard
 
 
@@ -39,7 +40,7 @@ def rebuild(cut: Cut, placement: Placement, *, me: str, world: World, trainer: T
 
 
 def save_cut(cut: Cut, *, me: str, world: World, snapshots: PeerSnapshots,
-             config: ModelConfig, root: str) -> Path:
+             model: ModelSpec, root: str) -> Path:
     """Save the cut's copies that ``me`` holds into a checkpoint under ``root``, with the
     other members of ``world``; its directory.
 
@@ -49,8 +50,8 @@ def save_cut(cut: Cut, *, me: str, world: World, snapshots: PeerSnapshots,
     them hold (replicas) is written once.
     """
     own, kept = snapshots.held(cut, me)
-    shapes = state_shapes(config)
+    shapes = state_shapes(model)
     state = {name: view.view(shapes[name]) for copy in (own or {}, *kept.values())
              for name, view in copy.items()}
     return checkpoint.save_state(state, world, root, cut.step, cut.layout.describe(),
-                                 len(global_parameter_names(config)))
+                                 len(global_parameter_names(model)))

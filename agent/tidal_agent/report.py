@@ -16,19 +16,10 @@ from typing import Any
 from tidal_agent.events import Finished, Halted, Left, Listener, Reconfigured, Recovered, Stepped
 from tidal_agent.link import ControlLink
 from tidal_agent.metrics import JobMetrics
-from tidal_api import AppliedLayout
+from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation
-from tidal_plan.layout import Layout
 
 log = logging.getLogger("tidal.agent")
-
-
-def applied_layout(layout: Layout) -> AppliedLayout:
-    return AppliedLayout(
-        dp=layout.dp, pp=layout.pp, partition=layout.partition, schedule=layout.schedule.value,
-        virtual_stages=layout.virtual_stages, micro_batch_size=layout.micro_batch_size,
-        num_micro_batches=layout.num_micro_batches,
-    )
 
 
 class AgentReport(Listener):
@@ -112,7 +103,7 @@ class AgentReport(Listener):
         if self.link is None:
             return
         fields: dict[str, Any] = {
-            "generation": gen.index, "members": gen.members, "layout": applied_layout(layout),
+            "generation": gen.index, "members": gen.members, "layout": layout,
             "predicted_step_seconds": self._predicted.get(gen.index),
         }
         if switch_s is not None:

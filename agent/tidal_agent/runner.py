@@ -28,12 +28,13 @@ from tidal_agent.events import (Checkpointed, Failed, Finished, Left, Listener, 
                                 Reconfigured, Released, Stepped)
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
-from tidal_agent.trainer import model_config, params_sha256
+from tidal_agent.trainer import params_sha256
 from tidal_agent.worker import WorkerOptions, profile_window, worker_main
 from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob
+from tidal_api.layout import Layout, ScheduleKind
 from tidal_plan.elastic import Generation, all_workers, data_parallel_degree, generations
-from tidal_plan.layout import Layout, ScheduleKind, build_layout
+from tidal_plan.layout import build_layout
 
 
 _SPAWNING = threading.Lock()  # held while a launch sets the environment its workers inherit
@@ -151,7 +152,7 @@ def run_elastic(
                 proc.join()
     if collected.profile is not None and opts.rendezvous.backend == "gloo":
         _add_sharing(collected.profile, job, threads)
-    num_params = len(global_parameter_names(model_config(job.spec)))
+    num_params = len(global_parameter_names(job.spec.model))
     report = {
         "job": job.metadata.name,
         "workers": len(gens[-1].members),

@@ -30,9 +30,9 @@ from tidal_agent.data import BatchSource
 from tidal_agent.model import StageModule, UnitContext
 from tidal_agent.profiler import UnitProfiler
 from tidal_agent.world import World
+from tidal_api.layout import Layout
 from tidal_plan.ir import Action, Kind
 from tidal_plan.lowering import message
-from tidal_plan.layout import Layout
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from tidal_agent.world import World
-from tidal_plan.layout import Layout
+from tidal_api.layout import Layout
 from tidal_plan.reshard import Placement, TensorMeta
 
 KEEP = 2  # copies of each kind: see the module docstring

@@ -17,27 +17,28 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal_agent.model import ModelConfig, global_parameters
+from tidal_agent.model import global_parameters
 from tidal_agent.trainer import STATE_KEYS, Trainer
 from tidal_agent.world import World
+from tidal_api import ModelSpec
 from tidal_plan.reshard import ReshardPlan, TensorMeta, bucketize
 
 
-def state_metadata(config: ModelConfig) -> list[TensorMeta]:
+def state_metadata(model: ModelSpec) -> list[TensorMeta]:
     """Every state tensor of the model, in global order, as the planner sees it."""
     return [TensorMeta(name=name, unit=unit, numel=shape.numel(), itemsize=4)
-            for name, shape, unit in _state(config)]
+            for name, shape, unit in _state(model)]
 
 
-def state_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+def state_shapes(model: ModelSpec) -> dict[str, torch.Size]:
     """Every state tensor's shape, by global name."""
-    return {name: shape for name, shape, _ in _state(config)}
+    return {name: shape for name, shape, _ in _state(model)}
 
 
-def _state(config: ModelConfig) -> list[tuple[str, torch.Size, int]]:
+def _state(model: ModelSpec) -> list[tuple[str, torch.Size, int]]:
     """(name, shape, unit) of every state tensor, in global order."""
     out = []
-    for name, shape, unit in global_parameters(config):
+    for name, shape, unit in global_parameters(model):
         out.append((name, shape, unit))
         for key in STATE_KEYS:  # AdamW's step is a scalar; the moments are parameter-shaped
             out.append((f"{name}/{key}", torch.Size(()) if key == "step" else shape, unit))

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tidal_agent.data import BatchSource, SyntheticCorpus, TokenFile
-from tidal_agent.model import ModelConfig, StageModule, global_parameter_names
+from tidal_agent.model import StageModule, global_parameter_names
 from tidal_agent.optim import (
     ClipMode,
     build_adamw,
@@ -27,31 +27,17 @@ from tidal_agent.optim import (
 from tidal_agent.runtime import PipelineRuntime
 from tidal_agent.world import World
 from tidal_api import JobSpec
+from tidal_api.layout import Layout
 from tidal_plan.dryrun import plan_step
-from tidal_plan.layout import Layout
 from tidal_plan.lowering import fifo_consistent
 
 
-def model_config(spec: JobSpec) -> ModelConfig:
-    m = spec.model
-    return ModelConfig(
-        layers=m.layers,
-        d_model=m.d_model,
-        heads=m.heads,
-        vocab=m.vocab,
-        seq_len=m.seq_len,
-        mtp_heads=m.mtp_heads,
-        dropout=m.dropout,
-        mlp_ratio=m.mlp_ratio,
-    )
-
-
-def batch_source(spec: JobSpec, config: ModelConfig) -> BatchSource:
-    t = spec.training
+def batch_source(spec: JobSpec) -> BatchSource:
+    t, model = spec.training, spec.model
     if t.data.kind == "tokens":
-        corpus = TokenFile(t.data.path, config.sample_len, t.seed, config.vocab)
+        corpus = TokenFile(t.data.path, model.sample_len, t.seed, model.vocab)
     else:
-        corpus = SyntheticCorpus(config.vocab, config.sample_len, t.seed)
+        corpus = SyntheticCorpus(model.vocab, model.sample_len, t.seed)
     return BatchSource(corpus, t.micro_batch_size)
 
 
@@ -89,18 +75,18 @@ class Trainer:
         self.spec, self.layout, self.world = spec, layout, world
         self.replica, self.pp_rank = divmod(world.rank, layout.pp)
         pp_rank = self.pp_rank
-        self.config = model_config(spec)
+        model = spec.model
         self.clip_mode = clip_mode
-        if layout.num_units != self.config.num_units:
+        if layout.num_units != model.num_units:
             raise ValueError(
-                f"layout covers {layout.num_units} units; the model has {self.config.num_units}"
+                f"layout covers {layout.num_units} units; the model has {model.num_units}"
             )
         seed = spec.training.seed
         self.stages = {
-            s: StageModule(self.config, layout.stage_units(s), seed, initialise=initialise).to(device)
+            s: StageModule(model, layout.stage_units(s), seed, initialise=initialise).to(device)
             for s in layout.rank_stages(pp_rank)
         }
-        index = {name: i for i, name in enumerate(global_parameter_names(self.config))}
+        index = {name: i for i, name in enumerate(global_parameter_names(model))}
         self.num_params = len(index)
         named = [(n, p) for st in self.stages.values() for n, p in st.named_parameters()]
         self.indexed_params = [(index[n], p) for n, p in named]
@@ -120,17 +106,17 @@ class Trainer:
                 "sends and receives are not in the same order; use gloo or another schedule"
             )
         self.actions = lowered[pp_rank]
-        mbs, t = spec.training.micro_batch_size, self.config.seq_len
+        mbs, t = spec.training.micro_batch_size, model.seq_len
         self.runtime = PipelineRuntime(
             layout=layout,
             pp_rank=pp_rank,
             stages=self.stages,
-            batches=batch_source(spec, self.config),
+            batches=batch_source(spec),
             seed=seed,
             world=world,
             group_ranks=[self.replica * layout.pp + r for r in range(layout.pp)],
             device=device,
-            activation_shape=(mbs, t, self.config.d_model),
+            activation_shape=(mbs, t, model.d_model),
             mb_offset=self.replica * layout.num_micro_batches,
         )
         self.dp_world = None
@@ -138,8 +124,8 @@ class Trainer:
             peers = tuple(world.members[r * layout.pp + pp_rank] for r in range(layout.dp))
             self.dp_world = world.subgroup(f"dp{pp_rank}", peers)
         self.device = device
-        self._first_loss_unit = self.config.layers + 1
-        self._num_loss_units = self.config.num_units - self._first_loss_unit
+        self._first_loss_unit = model.layers + 1
+        self._num_loss_units = model.num_units - self._first_loss_unit
 
     def step(self, step: int) -> StepResult:
         lr = lr_at(step, self.spec.training)

@@ -69,13 +69,13 @@ from tidal_agent.protocol import GenerationSource, Halt, LeaderLost, Recovery, S
 from tidal_agent.recovery import rebuild, save_cut
 from tidal_agent.snapshot import Cut, PeerSnapshots
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
-from tidal_agent.trainer import Trainer, model_config
+from tidal_agent.trainer import Trainer
 from tidal_agent.world import (Rendezvous, World, WorldBuilder, build_world, drop_default_group,
                                ensure_default_group)
 from tidal_api import JobSpec, keys
+from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation
 from tidal_plan.keepers import keepers, keepers_stay
-from tidal_plan.layout import Layout
 from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
 
 log = logging.getLogger("tidal.agent")
@@ -146,8 +146,7 @@ class _Worker:
             index = int(me.rsplit("-", 1)[1]) % torch.cuda.device_count()
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
-        self.config = model_config(spec)
-        self.metas = state_metadata(self.config)
+        self.metas = state_metadata(spec.model)
         self.snapshots = PeerSnapshots(self.metas, self.device) if opts.peer_snapshots else None
         self._last_step_end: float | None = None
         self._gen: Generation | None = None  # where training is: for the fault path
@@ -298,7 +297,7 @@ class _Worker:
         world = build_world(self.opts.rendezvous, gen.index, gen.members, self.me,
                             name="rescue", store=store)
         path = save_cut(cut, me=self.me, world=world, snapshots=self.snapshots,
-                        config=self.config, root=self.opts.checkpoint_root)
+                        model=self.spec.model, root=self.opts.checkpoint_root)
         log.warning("%s: the leader is lost; the peer snapshots of step %d are saved in %s, "
                     "for the job's restart", self.me, cut.step, path)
 
@@ -377,7 +376,7 @@ class _Worker:
         if not self.leader:
             return
         parts = [json.loads(store.get(f"{key}/{r}")) for r in range(trainer.world.size)]
-        profile = build_profile(parts, trainer.layout, self.opts.profile_steps, trainer.config)
+        profile = build_profile(parts, trainer.layout, self.opts.profile_steps, self.spec.model)
         Path(self.opts.profile_out).parent.mkdir(parents=True, exist_ok=True)
         Path(self.opts.profile_out).write_text(json.dumps(profile, indent=2) + "\n")
         self.events.put(Profiled(worker=self.me, path=self.opts.profile_out))

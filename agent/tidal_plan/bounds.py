@@ -8,9 +8,9 @@ best step found (branch and bound), so a bound must never exceed ``estimate_step
 
 from __future__ import annotations
 
+from tidal_api.layout import Layout, ScheduleKind
 from tidal_plan.actioncosts import Costs, per_stage
 from tidal_plan.estimate import extrapolation_start
-from tidal_plan.layout import Layout, ScheduleKind
 
 
 def makespan_lower_bound(layout: Layout, costs: Costs) -> float:

@@ -16,10 +16,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tidal_api.layout import Layout
 from tidal_plan.actioncosts import Costs
 from tidal_plan.devices import Device
 from tidal_plan.estimate import estimate_step
-from tidal_plan.layout import Layout
 from tidal_plan.modelshape import (
     ModelShape,
     unit_activation_bytes,

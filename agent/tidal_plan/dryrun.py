@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tidal_api.layout import Layout
 from tidal_plan.actioncosts import Costs
 from tidal_plan.ir import Action, Kind
-from tidal_plan.layout import Layout
 from tidal_plan.lowering import lower, validate_lowered
 from tidal_plan.schedules import compute_actions, validate_compute
 

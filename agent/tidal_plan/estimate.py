@@ -20,10 +20,10 @@ import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tidal_api.layout import Layout
 from tidal_plan.actioncosts import Costs, per_stage
 from tidal_plan.dryrun import DeadlockError
 from tidal_plan.ir import Kind
-from tidal_plan.layout import Layout
 from tidal_plan.schedules import compute_actions
 
 

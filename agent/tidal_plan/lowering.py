@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from tidal_api.layout import Layout
 from tidal_plan.ir import Action, Kind
-from tidal_plan.layout import Layout
 from tidal_plan.schedules import Schedule
 
 # A message is named by the tag both ends agree on: (kind of payload, producing stage, mb).

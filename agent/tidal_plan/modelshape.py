@@ -1,18 +1,28 @@
 """The model's shape and what each placement unit counts: parameters, FLOPs, activation bytes.
 
-Device-free arithmetic on ``ModelShape`` (the GPT of ``tidal_agent.model``, dense or MoE), and
-the shapes of FlexTrain's Small / Medium / Large models. ``tidal_plan.costmodel`` turns these
-counts into seconds and bytes on a device.
+Device-free arithmetic on ``ModelShape`` (a job's model, or an MoE model the trainer cannot
+build), and the shapes of FlexTrain's Small / Medium / Large models. ``tidal_plan.costmodel``
+turns these counts into seconds and bytes on a device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidal_api.spec import ModelSpec
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelShape:
-    """The shape of the GPT model of ``tidal_agent.model``, optionally with MoE blocks.
+    """The cost model's view of a model: the GPT of ``tidal_agent.model``, optionally with MoE
+    blocks.
+
+    A job's model is described once, by its ``ModelSpec`` (the trainer, reshard plans,
+    checkpoints and snapshots all read that); ``ModelShape.of`` is the one way from it to here.
+    This type stays beside it for the shapes the planner prices but no job spec can describe:
+    FlexTrain's MoE models (the trainer builds dense blocks only, so the spec has no expert
+    fields for every worker to refuse) with DeepSeek-V3's 129k vocabulary (a spec's is at
+    most 65536: token files are uint16).
 
     With ``experts > 0`` every block's MLP becomes a router (``d_model x experts``, no bias)
     plus ``experts`` routed and ``shared_experts`` always-on experts, each an MLP
@@ -57,6 +67,13 @@ class ModelShape:
             )
         if self.expert_hidden is None or self.expert_hidden < 1:
             raise ValueError("an MoE model needs expert_hidden, the FFN width of one expert")
+
+    @classmethod
+    def of(cls, model: ModelSpec) -> ModelShape:
+        """The shape of a job's (dense) model."""
+        return cls(layers=model.layers, d_model=model.d_model, heads=model.heads,
+                   vocab=model.vocab, seq_len=model.seq_len, mtp_heads=model.mtp_heads,
+                   mlp_ratio=model.mlp_ratio)
 
     @property
     def num_units(self) -> int:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tidal_api.layout import ScheduleKind
 from tidal_plan.costmodel import UnitCosts
-from tidal_plan.layout import ScheduleKind, even_partition
+from tidal_plan.layout import even_partition
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidal_api import ElasticTrainingJob, ScaleTable
+from tidal_api.layout import Layout, LayoutError, ScheduleKind
 from tidal_api.spec import JobSpec
 from tidal_plan.costmodel import Prediction, Sharding
 from tidal_plan.devices import Device
-from tidal_plan.layout import Layout, LayoutError, ScheduleKind
 from tidal_plan.modelshape import FLEXTRAIN, FLEXTRAIN_BATCH, ModelShape
 from tidal_plan.predictors import ModeledPredictor, Predictor, ProfiledPredictor
 from tidal_plan.profiled import Profile
@@ -36,13 +36,6 @@ from tidal_plan.search import (
 )
 
 DEFAULT_MAX_DISAGREEMENT = 0.25
-
-
-def job_shape(spec: JobSpec) -> ModelShape:
-    """The cost model's view of the job's (dense) model."""
-    m = spec.model
-    return ModelShape(layers=m.layers, d_model=m.d_model, heads=m.heads, vocab=m.vocab,
-                      seq_len=m.seq_len, mtp_heads=m.mtp_heads, mlp_ratio=m.mlp_ratio)
 
 
 def _micro_batch_sizes(spec: JobSpec) -> tuple[int, ...]:
@@ -87,7 +80,7 @@ def plan_job(
     """The job's scale table on ``device``, from its profile where one is given."""
     spec = job.spec
     space = job_space(spec, device, max_disagreement=max_disagreement)
-    modeled = ModeledPredictor(job_shape(spec), device)
+    modeled = ModeledPredictor(ModelShape.of(spec.model), device)
     if profile is None:
         result = search(modeled, space, on_row=on_row)
     else:
@@ -109,7 +102,7 @@ class LayoutPlanner:
         self.space = job_space(job.spec, device)
         self.micro_batch_size = job.spec.training.micro_batch_size
         self.predictor: Predictor = (
-            ModeledPredictor(job_shape(job.spec), device) if profile is None
+            ModeledPredictor(ModelShape.of(job.spec.model), device) if profile is None
             else ProfiledPredictor(profile, job.spec.model.seq_len)
         )
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from tidal_api.layout import Layout
 from tidal_plan.bounds import estimate_lower_bound
 from tidal_plan.costmodel import (
     NO_SHARDING,
@@ -23,7 +24,6 @@ from tidal_plan.costmodel import (
     step_model,
 )
 from tidal_plan.devices import Device
-from tidal_plan.layout import Layout
 from tidal_plan.modelshape import ModelShape
 from tidal_plan.profiled import Profile, predict_profiled
 

@@ -66,11 +66,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal_api.layout import Layout
 from tidal_plan.actioncosts import Costs
 from tidal_plan.costmodel import Prediction
 from tidal_plan.dryrun import DryRun, Machine, dry_run, plan_step
 from tidal_plan.ir import Action, Kind
-from tidal_plan.layout import Layout
 
 ACTION_KINDS = ("forward", "backward", "input_grad", "weight_grad")
 _KIND_KEYS = {"forward": "F", "backward": "B", "input_grad": "I", "weight_grad": "W"}

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from tidal_plan.layout import Layout
+from tidal_api.layout import Layout
 
 WorkerId: TypeAlias = str | int
 """A process's stable identity across layouts (e.g. its pod name)."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from tidal_api.layout import Layout, LayoutError, ScheduleKind
 from tidal_plan.ir import Action, Kind
-from tidal_plan.layout import Layout, LayoutError, ScheduleKind
 
 Schedule = dict[int, list[Action]]
 

@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tidal_api import DroppedRow, ScaleRow, ScaleTable
-
+from tidal_api.layout import Layout, LayoutError, ScheduleKind
 from tidal_plan.costmodel import Prediction
-from tidal_plan.layout import Layout, LayoutError, ScheduleKind
 from tidal_plan.partition import candidate_partitions
 from tidal_plan.predictors import Predictor
 
@@ -278,13 +277,7 @@ def scale_table(
         rows.append(ScaleRow(
             workers=workers,
             gpus=workers * space.gpus_per_worker,
-            dp=lay.dp,
-            pp=lay.pp,
-            partition=lay.partition,
-            schedule=lay.schedule.value,
-            virtual_stages=lay.virtual_stages,
-            micro_batch_size=lay.micro_batch_size,
-            num_micro_batches=lay.num_micro_batches,
+            layout=lay,
             step_seconds=pred.step_seconds,
             tokens_per_second=pred.tokens_per_second,
             peak_memory_bytes=max(pred.peak_memory_bytes),

@@ -1,11 +1,12 @@
-"""The contract between Tidal's operator and its agents: ElasticTrainingJob and scale tables.
+"""The contract between Tidal's operator and its agents: ElasticTrainingJob, layouts, scale tables.
 
 Stdlib and pydantic only, so both sides (and the chart's schema tests) can import it
 without pulling in torch or kopf.
 """
 
+from tidal_api.layout import Layout, LayoutError, ScheduleKind
 from tidal_api.scale import DroppedRow, ScaleRow, ScaleTable
-from tidal_api.status import AppliedLayout, Arrival, Condition, JobStatus, Phase, Target
+from tidal_api.status import Arrival, Condition, JobStatus, Phase, Target
 from tidal_api.spec import (
     API_VERSION,
     GROUP,
@@ -28,7 +29,6 @@ from tidal_api.spec import (
 
 __all__ = [
     "API_VERSION",
-    "AppliedLayout",
     "Arrival",
     "Condition",
     "JobStatus",
@@ -43,12 +43,15 @@ __all__ = [
     "ElasticTrainingJob",
     "JobSpec",
     "JobSpecError",
+    "Layout",
+    "LayoutError",
     "ModelSpec",
     "ParallelismSpec",
     "ResourcesSpec",
     "ScaleRow",
     "ScaleTable",
     "ScalingSpec",
+    "ScheduleKind",
     "TemplateSpec",
     "TrainingSpec",
     "WorkersSpec",

@@ -18,6 +18,7 @@ schema becomes a Kubernetes *structural* schema:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from tidal_api.spec import GROUP, KIND, VERSION, ElasticTrainingJob
@@ -106,7 +107,8 @@ def openapi_schema() -> dict[str, Any]:
 def _schema(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[str, Any]:
     """One node of pydantic's JSON schema as a structural schema node."""
     node = _resolve(node, defs)
-    out: dict[str, Any] = {k: node[k] for k in _COPIED if k in node}
+    # Lists copied: a type used twice (the layout) must not share them, or YAML writes anchors.
+    out: dict[str, Any] = {k: copy.copy(node[k]) for k in _COPIED if k in node}
     if "x-kubernetes-validations" in node:  # the rule first, then its message
         out["x-kubernetes-validations"] = [
             {"rule": v["rule"], "message": v["message"], **v}

@@ -3,8 +3,9 @@
 The agent's planner writes the table (``status.scaleTable``); the operator reads it to decide
 whether a scale-up pays off and which job loses least on a scale-down. Every worker count in
 ``[minWorkers, maxWorkers]`` is either a row (the best layout found for it) or a dropped entry
-that says why it is not worth running. Field names on the wire are camelCase; byte counts are
-integers, so that ``kubectl describe etj`` shows 4941824, not 4.941824e+06.
+that says why it is not worth running. A row's layout is the one type the planner and
+``status.layout`` use too. Field names on the wire are camelCase; byte counts are integers, so
+that ``kubectl describe etj`` shows 4941824, not 4.941824e+06.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from tidal_api.layout import Layout
 
 DropReason = Literal["hyperparameters", "memory", "disagreement", "gain"]
 PredictorName = Literal["profiled", "modeled"]
@@ -30,15 +33,8 @@ class ScaleRow(_Wire):
 
     workers: int = Field(ge=1, description="Worker pods.")
     gpus: int = Field(ge=1, description="GPUs (ranks) of all workers together.")
-    dp: int = Field(ge=1, description="Data-parallel pipeline replicas.")
-    pp: int = Field(ge=1, description="Pipeline ranks per replica.")
-    partition: tuple[int, ...] = Field(description="Placement units per stage, in stage order.")
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = Field(
-        description="Pipeline schedule."
-    )
-    virtual_stages: int = Field(1, ge=1, description="Model chunks per rank (interleaved).")
-    micro_batch_size: int = Field(ge=1, description="Samples per micro-batch.")
-    num_micro_batches: int = Field(ge=1, description="Micro-batches per replica and step.")
+    layout: Layout = Field(description="The layout: dp, pp, partition, schedule, "
+                           "micro-batching.")
     step_seconds: float = Field(gt=0, description="Predicted seconds per optimizer step.")
     tokens_per_second: float = Field(gt=0, description="Predicted training throughput.")
     peak_memory_bytes: int = Field(ge=0, description="Predicted peak of the fullest GPU, in bytes.")

@@ -99,7 +99,8 @@ class WorkersSpec(_Spec):
 
 
 class ModelSpec(_Spec):
-    """The GPT-style decoder's architecture."""
+    """The GPT-style decoder's architecture: the one description of the job's model, which the
+    trainer builds, reshard plans and checkpoints name, and the planner counts (ModelShape.of)."""
 
     model_config = _cel(
         "self.dModel % self.heads == 0",
@@ -129,6 +130,11 @@ class ModelSpec(_Spec):
     def num_units(self) -> int:
         """Placement units: embedding, blocks, final norm + LM head, MTP heads."""
         return self.layers + 2 + self.mtp_heads
+
+    @property
+    def sample_len(self) -> int:
+        """Tokens per sample: inputs plus the targets of the LM head and every MTP head."""
+        return self.seq_len + 1 + self.mtp_heads
 
 
 class DataSpec(_Spec):

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from tidal_api.layout import Layout
 from tidal_api.scale import ScaleTable
 
 Phase = Literal["Pending", "Running", "Scaling", "Restarting", "Succeeded", "Failed", "Invalid"]
@@ -81,20 +82,6 @@ class Arrival(_Status):
     created_at: str = Field(description="RFC 3339 creationTimestamp of the pod.")
 
 
-class AppliedLayout(_Status):
-    """The layout the agent runs in its applied generation."""
-
-    dp: int = Field(ge=1, description="Data-parallel pipeline replicas.")
-    pp: int = Field(ge=1, description="Pipeline ranks per replica.")
-    partition: tuple[int, ...] = Field(description="Placement units per stage.")
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = Field(
-        description="Pipeline schedule."
-    )
-    virtual_stages: int = Field(1, ge=1, description="Model chunks per rank.")
-    micro_batch_size: int = Field(ge=1, description="Samples per micro-batch.")
-    num_micro_batches: int = Field(ge=1, description="Micro-batches per replica and step.")
-
-
 class JobStatus(_Status):
     """status of an ElasticTrainingJob; every field optional until its owner writes it."""
 
@@ -135,7 +122,7 @@ class JobStatus(_Status):
         (), description="Pods the fault path declared lost, over the job's life: the operator "
                         "deletes any still running and never reuses their names."
     )
-    layout: AppliedLayout | None = Field(None, description="Layout of the applied generation.")
+    layout: Layout | None = Field(None, description="Layout of the applied generation.")
     step: int = Field(0, ge=0, description="Optimizer steps done.")
     loss: float | None = Field(None, description="Loss of the last step.")
     tokens_per_second: float | None = Field(None, ge=0, description="Measured throughput.")

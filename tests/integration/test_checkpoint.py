@@ -52,7 +52,6 @@ def test_replicas_write_their_shared_state_once_and_it_reloads(tmp_path):
     """Data-parallel replicas hold the same names: the checkpoint has each once (as a rescue's
     survivors' copies do), and a layout of another shape at the same dp goes on bit for bit."""
     from tidal_agent.switch import state_shapes
-    from tidal_agent.trainer import model_config
     from tidal_plan.layout import build_layout
 
     def layout(job, workers, partition=None):
@@ -63,7 +62,7 @@ def test_replicas_write_their_shared_state_once_and_it_reloads(tmp_path):
 
     job = _job(tmp_path / "ckpt", every=6)
     static = run_local(job, layout(job, 2), steps=12, timeout_s=60)  # dp2 pp1
-    shapes = state_shapes(model_config(job.spec))
+    shapes = state_shapes(job.spec.model)
     state_bytes = 4 * sum(shape.numel() for shape in shapes.values())
     written = sum(f.stat().st_size for f in checkpoint.step_dir(tmp_path / "ckpt", 6).glob(
         "*.distcp"))

@@ -27,7 +27,7 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
 
-from tidal_api import ScaleRow, ScaleTable
+from tidal_api import Layout, ScaleRow, ScaleTable
 from tidal_kube.serving import load_manifests
 from tidal_operator import handlers
 from tidal_operator.adapter import Adapter
@@ -50,8 +50,9 @@ PREREQUISITES = [
 
 def table(job: str, tokens_per_second: dict[int, float]) -> dict[str, Any]:
     base = tokens_per_second[min(tokens_per_second)]
-    rows = [ScaleRow(workers=w, gpus=w, dp=1, pp=w, partition=(1,) * w, schedule="1f1b",
-                     micro_batch_size=2, num_micro_batches=8, step_seconds=1024 / t,
+    rows = [ScaleRow(workers=w, gpus=w,
+                     layout=Layout(pp=w, partition=(1,) * w, micro_batch_size=2,
+                                   num_micro_batches=8), step_seconds=1024 / t,
                      tokens_per_second=t, peak_memory_bytes=10**6, speedup=t / base,
                      predictor="modeled")
             for w, t in sorted(tokens_per_second.items())]

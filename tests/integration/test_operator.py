@@ -30,7 +30,7 @@ from lightkube.resources.core_v1 import Event, Node, Pod, Service
 from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidal_api import ScaleRow, ScaleTable
+from tidal_api import Layout, ScaleRow, ScaleTable
 from tidal_kube import localcluster
 from tidal_kube.serving import EmulatorThread, load_manifests
 
@@ -111,8 +111,9 @@ class Operator:
 
 def table(job: str, tokens_per_second: dict[int, float]) -> dict:
     base = tokens_per_second[min(tokens_per_second)]
-    rows = [ScaleRow(workers=w, gpus=w, dp=1, pp=w, partition=(1,) * w, schedule="1f1b",
-                     micro_batch_size=2, num_micro_batches=8, step_seconds=1024 / t,
+    rows = [ScaleRow(workers=w, gpus=w,
+                     layout=Layout(pp=w, partition=(1,) * w, micro_batch_size=2,
+                                   num_micro_batches=8), step_seconds=1024 / t,
                      tokens_per_second=t, peak_memory_bytes=1e6, speedup=t / base,
                      predictor="modeled")
             for w, t in sorted(tokens_per_second.items())]

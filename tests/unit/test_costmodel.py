@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from tidal_api import ModelSpec
 from tidal_plan.costmodel import model_costs, predict, unit_costs
 from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, load_device
 from tidal_plan.layout import build_layout
@@ -46,14 +47,13 @@ def test_dense_counts_by_hand():
 
 def test_dense_counts_match_the_real_model():
     pytest.importorskip("torch")
-    from tidal_agent.model import ModelConfig, global_parameters
+    from tidal_agent.model import global_parameters
 
-    config = ModelConfig(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2,
-                         mlp_ratio=3)
-    shape = ModelShape(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2,
-                       mlp_ratio=3)
-    per_unit = [0] * config.num_units
-    for _, size, unit in global_parameters(config):
+    model = ModelSpec(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2,
+                      mlp_ratio=3)
+    shape = ModelShape.of(model)
+    per_unit = [0] * model.num_units
+    for _, size, unit in global_parameters(model):
         per_unit[unit] += math.prod(size)
     assert [unit_params(shape, u) for u in range(shape.num_units)] == per_unit
 

@@ -9,13 +9,15 @@ accept what ``parse_job`` accepts and refuse what it refuses, with the same mess
 from __future__ import annotations
 
 import copy
+import dataclasses
+import enum
 import functools
 import importlib.util
 import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import annotated_types
 import celpy
@@ -25,16 +27,17 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from tidal_api import (
-    AppliedLayout,
     Arrival,
     Condition,
     ElasticTrainingJob,
     JobSpec,
     JobSpecError,
     JobStatus,
+    Layout,
     ScaleTable,
     Target,
     WorkersSpec,
@@ -133,7 +136,17 @@ _SCALAR_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"
 _BOUND_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 
 
-def _fields(model: type[BaseModel]) -> dict[str, Any]:
+def _fields(model: type) -> dict[str, Any]:
+    """A model's fields by wire name; a stdlib dataclass's (the layout) as pydantic sees them."""
+    if dataclasses.is_dataclass(model):
+        hints = get_type_hints(model, include_extras=True)
+        alias = model.__pydantic_config__["alias_generator"]
+        return {
+            alias(f.name): FieldInfo.from_annotated_attribute(
+                hints[f.name],
+                PydanticUndefined if f.default is dataclasses.MISSING else f.default)
+            for f in dataclasses.fields(model)
+        }
     return {field.alias or name: field for name, field in model.model_fields.items()}
 
 
@@ -144,7 +157,7 @@ def _without_none(annotation: Any) -> Any:
     return annotation
 
 
-def _check_model(model: type[BaseModel], node: dict, where: str) -> None:
+def _check_model(model: type, node: dict, where: str) -> None:
     fields, properties = _fields(model), node["properties"]
     assert node["type"] == "object", where
     name = model.__name__
@@ -199,8 +212,11 @@ def _expected_default(field: Any) -> Any:
 
 def _check_type(annotation: Any, node: dict, where: str) -> None:
     origin, args = get_origin(annotation), get_args(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+    if isinstance(annotation, type) and (
+            issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation)):
         _check_model(annotation, node, where)
+    elif isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        assert (node["type"], node["enum"]) == ("string", [m.value for m in annotation]), where
     elif origin is Literal:
         assert (node["type"], node["enum"]) == ("string", list(args)), where
     elif origin in (Union, types.UnionType):
@@ -490,8 +506,8 @@ def test_a_full_status_is_admitted_and_survives_defaulting():
                       deadline="2026-01-01T00:05:00Z"),
         conditions=(Condition(type="Valid", status="True", reason="SpecValid",
                               last_transition_time="2026-01-01T00:00:00Z"),),
-        layout=AppliedLayout(dp=1, pp=4, partition=(5, 4, 4, 2), schedule="1f1b",
-                             micro_batch_size=1, num_micro_batches=1024),
+        layout=Layout(dp=1, pp=4, partition=(5, 4, 4, 2), schedule="1f1b",
+                      micro_batch_size=1, num_micro_batches=1024),
         scale_table=table,
         arrivals=(Arrival(pod="batch/train-7", created_at="2026-01-01T00:00:00Z"),),
         leader_missing_since="2026-01-01T00:04:00Z",
@@ -501,8 +517,9 @@ def test_a_full_status_is_admitted_and_survives_defaulting():
     defaulted = _defaulted(SCHEMA, _without_nulls(doc))
     assert JobStatus.model_validate(defaulted["status"]) == status
     bad = copy.deepcopy(doc)
-    bad["status"]["scaleTable"]["rows"][0]["schedule"] = "fast"
-    assert _admit(bad) and _admit(bad)[0].startswith("status.scaleTable.rows.0.schedule: ")
+    bad["status"]["scaleTable"]["rows"][0]["layout"]["schedule"] = "fast"
+    assert _admit(bad) and _admit(bad)[0].startswith(
+        "status.scaleTable.rows.0.layout.schedule: ")
 
 
 # --- (d) the schema is structural ------------------------------------------------------------

@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal_api.layout import Layout, ScheduleKind
 from tidal_plan.actioncosts import Costs
 from tidal_plan.dryrun import DeadlockError, Machine, Span, dry_run, plan_step
 from tidal_plan.ir import Action, Kind, parse_actions
-from tidal_plan.layout import Layout, ScheduleKind, build_layout
+from tidal_plan.layout import build_layout
 from tidal_plan.lowering import lower
 from tidal_plan.schedules import compute_actions
 

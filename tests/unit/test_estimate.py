@@ -4,11 +4,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal_api.layout import ScheduleKind
 from tidal_plan.actioncosts import Costs
 from tidal_plan.bounds import estimate_lower_bound, makespan_lower_bound
 from tidal_plan.dryrun import dry_run, plan_step
 from tidal_plan.estimate import estimate_step
-from tidal_plan.layout import ScheduleKind, build_layout
+from tidal_plan.layout import build_layout
 
 KINDS = list(ScheduleKind)
 

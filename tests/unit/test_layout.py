@@ -2,7 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tidal_plan.layout import Layout, LayoutError, ScheduleKind, build_layout, even_partition
+from tidal_api.layout import Layout, LayoutError, ScheduleKind
+from tidal_plan.layout import build_layout, even_partition
 
 
 @given(units=st.integers(1, 40), data=st.data())

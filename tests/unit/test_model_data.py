@@ -3,20 +3,21 @@ import pytest
 import torch
 
 from tidal_agent.data import BatchSource, SyntheticCorpus, TokenFile, write_token_file
-from tidal_agent.model import ModelConfig, StageModule, global_parameter_names
+from tidal_agent.model import StageModule, global_parameter_names
+from tidal_api import ModelSpec
 
 torch.set_num_threads(1)
-CONFIG = ModelConfig(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2)
+MODEL = ModelSpec(layers=3, d_model=16, heads=2, vocab=32, seq_len=8, mtp_heads=2)
 
 
 def test_initial_values_do_not_depend_on_placement():
-    whole = dict(StageModule(CONFIG, range(CONFIG.num_units), seed=3).named_parameters())
+    whole = dict(StageModule(MODEL, range(MODEL.num_units), seed=3).named_parameters())
     parts = {}
     for units in (range(0, 2), range(2, 5), range(5, 7)):
-        parts.update(dict(StageModule(CONFIG, units, seed=3).named_parameters()))
-    assert list(parts) == list(whole) == global_parameter_names(CONFIG)
+        parts.update(dict(StageModule(MODEL, units, seed=3).named_parameters()))
+    assert list(parts) == list(whole) == global_parameter_names(MODEL)
     assert all(torch.equal(parts[n], whole[n]) for n in whole)
-    other = dict(StageModule(CONFIG, range(CONFIG.num_units), seed=4).named_parameters())
+    other = dict(StageModule(MODEL, range(MODEL.num_units), seed=4).named_parameters())
     assert not torch.equal(other["blocks.1.mlp.fc1.weight"], whole["blocks.1.mlp.fc1.weight"])
 
 

@@ -2,9 +2,10 @@ import dataclasses
 
 import pytest
 
+from tidal_api.layout import Layout
 from tidal_plan.actioncosts import Costs
 from tidal_plan.dryrun import plan_step
-from tidal_plan.layout import Layout, build_layout
+from tidal_plan.layout import build_layout
 from tidal_plan.profiled import Affine, Profile, ProfileError, predict_profiled, profiled_costs
 
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal_api.layout import Layout, ScheduleKind
 from tidal_plan import reshard
-from tidal_plan.layout import Layout, ScheduleKind
 from tidal_plan.reshard import (
     Placement,
     Region,

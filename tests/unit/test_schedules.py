@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal_api.layout import Layout, LayoutError, ScheduleKind
 from tidal_plan.actioncosts import Costs
 from tidal_plan.dryrun import dry_run, plan_step
 from tidal_plan.ir import Action, Kind, format_actions, parse_actions
-from tidal_plan.layout import Layout, LayoutError, ScheduleKind
 from tidal_plan.lowering import fifo_consistent, lower
 from tidal_plan.schedules import compute_actions, validate_compute
 

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from tidal_api import ScaleTable, parse_job
+from tidal_api.layout import Layout, ScheduleKind
 from tidal_plan.costmodel import Sharding, predict, unit_costs
 from tidal_plan.devices import DEVICES, Device
-from tidal_plan.layout import Layout, ScheduleKind, build_layout
+from tidal_plan.layout import build_layout
 from tidal_plan.modelshape import FLEXTRAIN, ModelShape
 from tidal_plan.partition import StageMemory, balanced_partition
 from tidal_plan.planner import (
@@ -148,8 +149,9 @@ def test_scale_table_round_trips_and_refuses_gaps():
     table = scale_table(result, sp, job="t", device="cpu", seq_len=SHAPE.seq_len)
     wire = json.loads(table.model_dump_json(by_alias=True))
     assert {"minWorkers", "maxWorkers", "rows", "dropped"} <= set(wire)
-    assert {"stepSeconds", "tokensPerSecond", "peakMemoryBytes", "microBatchSize"} <= set(
-        wire["rows"][0])
+    assert {"stepSeconds", "tokensPerSecond", "peakMemoryBytes", "layout"} <= set(wire["rows"][0])
+    assert {"dp", "pp", "microBatchSize", "numMicroBatches"} <= set(wire["rows"][0]["layout"])
+    assert [r.layout for r in table.rows] == [result.choices[r.workers].layout for r in table.rows]
     assert ScaleTable.model_validate(wire) == table
     assert table.rows[0].speedup == 1.0
     assert table.best_within(100) == table.rows[-1] and table.best_within(0) is None
@@ -183,7 +185,7 @@ def test_plan_job_covers_every_worker_count():
     table, _ = plan_job(_job(), CPU)
     assert table.min_workers == 1 and table.max_workers == 4 and table.source == "modeled"
     assert len(table.rows) + len(table.dropped) == 4
-    assert all(r.dp == 1 and r.micro_batch_size == 2 for r in table.rows)
+    assert all(r.layout.dp == 1 and r.layout.micro_batch_size == 2 for r in table.rows)
 
 
 def test_the_runner_planner_honours_the_given_dp():

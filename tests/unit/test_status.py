@@ -1,11 +1,12 @@
-"""The status types as the operator writes them: conditions, merge patches, whole bytes."""
+"""The status types as both sides write them: conditions, merge patches, whole bytes, layouts."""
 
 import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from tidal_api import Arrival, Condition, ScaleTable, Target
+from tidal_api import Arrival, Condition, JobStatus, Layout, ScaleTable, Target
 from tidal_api.status import set_condition, status_patch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,3 +60,19 @@ def test_scale_table_bytes_are_whole_numbers_on_the_wire():
         *[json.loads(r.model_dump_json(by_alias=True)) for r in table.rows[1:]]]})
     assert fractional.rows[0].peak_memory_bytes == 4941824  # a peak rounds up
     assert all(isinstance(r.peak_memory_bytes, int) for r in table.rows)
+
+
+def test_the_status_layout_is_the_planners_layout_on_the_wire():
+    layout = Layout(dp=2, pp=2, partition=(2, 1, 1, 2), schedule="interleaved",
+                    virtual_stages=2, micro_batch_size=1, num_micro_batches=8)
+    wire = status_patch(layout=layout)
+    assert wire == {"layout": {"dp": 2, "pp": 2, "partition": [2, 1, 1, 2],
+                               "schedule": "interleaved", "virtualStages": 2,
+                               "microBatchSize": 1, "numMicroBatches": 8}}
+    assert JobStatus.model_validate(wire).layout == layout
+    table = ScaleTable.model_validate_json(
+        (ROOT / "examples" / "scale-tables" / "flextrain-small-pp.json").read_text())
+    assert all(isinstance(r.layout, Layout) for r in table.rows)
+    # What Layout refuses, the wire refuses too, with its message.
+    with pytest.raises(ValidationError, match="needs 4"):
+        JobStatus.model_validate({"layout": {**wire["layout"], "partition": [3, 3]}})
