@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.jobs import small_job
 from tidal_agent.optim import ClipMode
 from tidal_agent.runner import resolve_layout, run_local
 
@@ -19,19 +20,14 @@ def _run(job, workers, schedule="1f1b", partition=None, clip_mode=ClipMode.GLOBA
 
 @pytest.fixture(scope="module")
 def job():
-    from tidal_api import parse_job
-
     # 6 blocks + embedding + head + 2 MTP heads = 10 units; dropout on; clipping always active.
-    return parse_job({
-        "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "b"},
-        "spec": {
-            "workers": {"min": 2, "max": 8},
-            "model": {"layers": 6, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16,
-                      "mtpHeads": 2, "dropout": 0.1},
-            "training": {"steps": STEPS, "globalBatchSize": 8, "microBatchSize": 2, "lr": 3e-3,
-                         "warmupSteps": 3, "gradClip": 0.5, "seed": 7},
-        },
-    })
+    return small_job(
+        "b",
+        model={"layers": 6, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16, "mtpHeads": 2,
+               "dropout": 0.1},
+        training={"steps": STEPS, "globalBatchSize": 8, "microBatchSize": 2, "lr": 3e-3,
+                  "warmupSteps": 3, "gradClip": 0.5, "seed": 7},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +71,10 @@ def test_naive_clipping_breaks_the_contract(job):
 
 def test_one_unit_per_stage():
     # PP at its maximum: as many workers as placement units (embedding, 2 blocks, head, MTP).
-    from tidal_api import parse_job
-
-    small = parse_job({
-        "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "s"},
-        "spec": {
-            "workers": {"min": 2, "max": 8},
-            "model": {"layers": 2, "dModel": 16, "heads": 2, "vocab": 32, "seqLen": 8, "mtpHeads": 1},
-            "training": {"steps": 6, "globalBatchSize": 10, "microBatchSize": 2, "gradClip": 0.5},
-        },
-    })
+    small = small_job(
+        "s", model={"layers": 2, "dModel": 16, "heads": 2, "vocab": 32, "seqLen": 8, "mtpHeads": 1},
+        training={"steps": 6, "globalBatchSize": 10, "microBatchSize": 2, "gradClip": 0.5},
+    )
     layout_one = resolve_layout(small, workers=1)
     layout_max = resolve_layout(small, workers=small.spec.model.num_units, schedule="gpipe")
     assert layout_max.partition == (1, 1, 1, 1, 1)

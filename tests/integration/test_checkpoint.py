@@ -2,25 +2,22 @@
 
 import pytest
 
+from tests.jobs import small_job
 from tidal_agent import checkpoint
 from tidal_agent.runner import resolve_layout, run_local
-from tidal_api import parse_job
 
 pytestmark = pytest.mark.slow
 
 
 def _job(root, every):
-    return parse_job({
-        "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "c"},
-        "spec": {
-            "workers": {"min": 2, "max": 8},
-            "model": {"layers": 4, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16,
-                      "mtpHeads": 1, "dropout": 0.1},
-            "training": {"steps": 12, "globalBatchSize": 8, "microBatchSize": 2,
-                         "warmupSteps": 2, "gradClip": 0.5, "seed": 3},
-            "checkpoint": {"path": str(root), "everySteps": every},
-        },
-    })
+    return small_job(
+        "c",
+        model={"layers": 4, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16, "mtpHeads": 1,
+               "dropout": 0.1},
+        training={"steps": 12, "globalBatchSize": 8, "microBatchSize": 2, "warmupSteps": 2,
+                  "gradClip": 0.5, "seed": 3},
+        checkpoint={"path": str(root), "everySteps": every},
+    )
 
 
 def test_resume_with_another_worker_count(tmp_path):

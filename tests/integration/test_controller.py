@@ -23,11 +23,10 @@ import pytest_asyncio
 import yaml
 from lightkube import Client
 from lightkube.config.kubeconfig import KubeConfig
-from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
 
-from tidal_api import Layout, ScaleRow, ScaleTable
+from tests.integration.test_operator import ETJ, NS, PREREQUISITES, table
 from tidal_kube.serving import load_manifests
 from tidal_operator import handlers
 from tidal_operator.adapter import Adapter
@@ -37,28 +36,6 @@ from tidal_operator.metrics import Metrics
 from tidal_operator.policy import decide
 
 ROOT = Path(__file__).resolve().parents[2]
-ETJ = create_namespaced_resource("tidal.dev", "v1alpha1", "ElasticTrainingJob",
-                                 "elastictrainingjobs")
-NS = "default"
-PREREQUISITES = [
-    {"apiVersion": "v1", "kind": "ServiceAccount",
-     "metadata": {"name": "tidal-worker", "namespace": NS}},
-    *({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
-       "value": value} for name, value in (("tidal-elastic", 100), ("tidal-default", 1000))),
-]
-
-
-def table(job: str, tokens_per_second: dict[int, float]) -> dict[str, Any]:
-    base = tokens_per_second[min(tokens_per_second)]
-    rows = [ScaleRow(workers=w, gpus=w,
-                     layout=Layout(pp=w, partition=(1,) * w, micro_batch_size=2,
-                                   num_micro_batches=8), step_seconds=1024 / t,
-                     tokens_per_second=t, peak_memory_bytes=10**6, speedup=t / base,
-                     predictor="modeled")
-            for w, t in sorted(tokens_per_second.items())]
-    return ScaleTable(job=job, device="cpu", source="modeled", min_workers=min(tokens_per_second),
-                      max_workers=max(tokens_per_second), global_batch_size=16, seq_len=64,
-                      min_gain=0.05, rows=tuple(rows)).model_dump(by_alias=True, mode="json")
 
 
 class Cluster:

@@ -10,10 +10,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from tests.jobs import small_job
 from tidal_agent import checkpoint
 from tidal_agent.runner import RunError, elastic_plan, resolve_layout, run_elastic, run_local
 from tidal_agent.world import Rendezvous, build_world, ensure_default_group
-from tidal_api import parse_job
 from tidal_local.processes import free_port
 
 pytestmark = pytest.mark.slow
@@ -21,15 +21,11 @@ TIMEOUT_S = 20
 
 
 def _job(root):
-    return parse_job({
-        "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob", "metadata": {"name": "f"},
-        "spec": {
-            "workers": {"min": 2, "max": 8},
-            "model": {"layers": 4, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16},
-            "training": {"steps": 12, "globalBatchSize": 8, "microBatchSize": 2, "gradClip": 0.5},
-            "checkpoint": {"path": str(root), "everySteps": 4},
-        },
-    })
+    return small_job(
+        "f", model={"layers": 4, "dModel": 32, "heads": 4, "vocab": 64, "seqLen": 16},
+        training={"steps": 12, "globalBatchSize": 8, "microBatchSize": 2, "gradClip": 0.5},
+        checkpoint={"path": str(root), "everySteps": 4},
+    )
 
 
 def _kill(name):
