@@ -17,10 +17,12 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 import tomllib
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -636,3 +638,28 @@ def test_helm_installs_as_documented_over_what_tidal_local_up_created(tmp_path):
         assert account["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
         assert "deployed" in helm("status", "tidal", "-n", "tidal", kubeconfig=config).stdout
         cluster.check()  # the API served every request helm and kubectl made
+
+
+def test_the_images_wheel_holds_no_test_doubles(tmp_path):
+    """The builder stage copies what its COPY lines name (the context .dockerignore lets
+    through) and builds one wheel for both images: the product's packages, not tidal_kube nor
+    tidal_local (DESIGN.md section 1: the operator image never contains the doubles)."""
+    allowed = [line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")]
+    assert "doubles" not in allowed
+    copies = re.findall(r"^COPY (?!--)(.+) \S+$", dockerfile_stage("builder"), re.M)
+    (tmp_path / "src").mkdir()
+    for source in (path.rstrip("/") for line in copies for path in line.split()):
+        assert source in allowed, f"COPY {source} is not in the build context"
+        copy = shutil.copytree if (ROOT / source).is_dir() else shutil.copy
+        copy(ROOT / source, tmp_path / "src" / source)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "--wheel-dir", str(tmp_path / "wheels"),
+                           str(tmp_path / "src")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    [wheel] = (tmp_path / "wheels").glob("tidal-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        packages = {name.split("/")[0] for name in archive.namelist() if "/" in name}
+    assert {"tidal_api", "tidal_plan", "tidal_agent", "tidal_operator", "tidal_sim",
+            "tidal_cli"} <= packages
+    assert not packages & {"tidal_kube", "tidal_local"}, packages
