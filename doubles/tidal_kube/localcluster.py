@@ -16,14 +16,12 @@ import urllib.request
 
 import aiohttp
 
-# gpu_request is here too: the GPUs of a pod as this cluster counts them (tests compare it with
-# the operator's count).
-from tidal_kube.clusterapi import GPU, ClusterApi, gpu_request
+from tidal_kube.clusterapi import GPU, ClusterApi
 from tidal_kube.kubelet import Kubelet, PodRuntime
 from tidal_kube.resources import Obj, now_rfc3339
 from tidal_kube.scheduler import Scheduler
 
-__all__ = ["create_nodes", "gpu_request", "node_manifests", "register_nodes", "run"]
+__all__ = ["create_nodes", "node_manifests", "register_nodes", "run"]
 
 
 def node_manifests(count: int, gpus_per_node: int, resource: str = GPU,

@@ -1,6 +1,6 @@
 """Pods as local processes: the container runtime of the one-machine cluster.
 
-:class:`AgentProcesses` is the :class:`~tidal_kube.localcluster.PodRuntime` that runs each
+:class:`AgentProcesses` is the :class:`~tidal_kube.kubelet.PodRuntime` that runs each
 worker pod (label ``tidal.dev/role=worker``) as a ``tidal agent`` process, with the pod's
 environment as the operator wrote it, and these changes, because every pod shares one host:
 

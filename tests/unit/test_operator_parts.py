@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from tidal_api import JobStatus, keys, parse_job
-from tidal_kube import localcluster
+from tidal_kube.clusterapi import gpu_request
 from tidal_operator import builders, handlers
 from tidal_operator.adapter import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S
 from tidal_operator.controller import Config, Controller
@@ -137,7 +137,7 @@ def test_a_pod_holds_the_gpus_the_scheduler_counts(containers, init, gpus):
     spec = {"containers": [{"resources": r} for r in containers],
             "initContainers": [{"resources": r} for r in init]}
     assert pod_gpus(spec, "nvidia.com/gpu") == gpus
-    assert localcluster.gpu_request({"spec": spec}) == gpus
+    assert gpu_request({"spec": spec}) == gpus
 
 
 def test_startup_sets_every_watch_and_request_timeout():
