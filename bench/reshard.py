@@ -44,7 +44,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tidal_agent.model import global_parameters  # noqa: E402
-from tidal_agent.runner import elastic_plan, resolve_layout, run_elastic, run_local  # noqa: E402
+from tidal_agent.runner import run_elastic, run_local  # noqa: E402
+from tidal_plan.elastic import elastic_plan  # noqa: E402
+from tidal_plan.layout import resolve_layout  # noqa: E402
 from tidal_api import parse_job  # noqa: E402
 
 

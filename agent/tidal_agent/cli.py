@@ -19,7 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tidal_api import ElasticTrainingJob, JobSpecError, parse_job
 from tidal_api.layout import LayoutError, ScheduleKind
 from tidal_plan.devices import DeviceError, load_device
-from tidal_plan.elastic import ScheduleError, parse_worker_schedule
+from tidal_plan.elastic import ScheduleError, elastic_plan, parse_worker_schedule
+from tidal_plan.layout import resolve_layout
 from tidal_plan.planner import LayoutPlanner, plan_flextrain, plan_job
 from tidal_plan.profiled import ProfileError, load_profile
 
@@ -94,23 +95,6 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     between steps without a restart; in strict mode the losses stay bitwise those of a fixed
     worker count.
     """
-    from tidal_agent.runner import (
-        RunError,
-        elastic_plan,
-        layout_report,
-        loss_divergence,
-        resolve_layout,
-        run_elastic,
-        run_local,
-    )
-    from tidal_agent.worker import profile_window
-
-    if profile_out:
-        try:
-            profile_window(steps)
-        except ValueError as err:
-            raise click.BadParameter(str(err), param_hint="'--steps'") from None
-
     if workers_schedule and (workers or partition):
         raise click.ClickException("--workers-schedule replaces --workers and --partition")
     try:
@@ -146,6 +130,15 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     except (JobSpecError, LayoutError, ScheduleError, DeviceError, ProfileError,
             ValueError) as err:
         raise click.ClickException(str(err)) from None
+    if profile_out:
+        from tidal_agent.worker import profile_window
+
+        try:
+            profile_window(steps)
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="'--steps'") from None
+    # torch, after the checks: bad input gets its line in a fraction of a second.
+    from tidal_agent.runner import RunError, layout_report, loss_divergence, run_elastic, run_local
 
     tokens_per_step = job.spec.training.global_batch_size * job.spec.model.seq_len
     _console.print(f"[bold]{job.metadata.name}[/]: {steps} steps")

@@ -140,7 +140,7 @@ class _Worker:
         self.source = source
         # Same threads in every process: part of the determinism contract.
         torch.set_num_threads(opts.threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
+        os.environ["OMP_NUM_THREADS"] = str(opts.threads)  # a fork has its server's
         self.device = torch.device("cpu")
         if opts.rendezvous.backend == "nccl":
             index = int(me.rsplit("-", 1)[1]) % torch.cuda.device_count()

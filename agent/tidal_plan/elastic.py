@@ -12,9 +12,12 @@ leader is rank 0 of every world) and joiners are appended after them.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from tidal_api import JobSpec, Target
+from tidal_api import ElasticTrainingJob, JobSpec, Target
+from tidal_api.layout import Layout
+from tidal_plan.layout import build_layout, resolve_layout
 
 
 class ScheduleError(ValueError):
@@ -131,3 +134,40 @@ def data_parallel_degree(spec: JobSpec, base_workers: int, workers: int) -> int:
         return 1
     k = workers // base_workers
     return k if spec.training.num_micro_batches % k == 0 else 1
+
+
+LayoutChooser = Callable[[int, int], Layout]
+
+
+def elastic_plan(
+    job: ElasticTrainingJob,
+    schedule: list[tuple[int, int]],
+    *,
+    kind: str | None = None,
+    choose: LayoutChooser | None = None,
+) -> tuple[list[Generation], list[Layout]]:
+    """Generations and their layouts for a worker schedule like [(0, 2), (4, 3)].
+
+    dp follows ``tidal_plan.elastic.data_parallel_degree`` (1 in strict mode).
+    ``choose(workers, dp)`` (the planner) picks each layout where given; otherwise the units
+    are split evenly under the spec's schedule (or ``kind``).
+    """
+    gens = generations(schedule)
+    base = len(gens[0].members)
+    micro_batches = job.spec.training.num_micro_batches
+    layouts = []
+    for gen in gens:
+        n = len(gen.members)
+        dp = data_parallel_degree(job.spec, base, n)
+        if choose is not None:
+            layouts.append(choose(n, dp))
+        elif dp == 1:
+            layouts.append(resolve_layout(job, workers=n, schedule=kind))
+        else:
+            first = resolve_layout(job, workers=base, schedule=kind)
+            layouts.append(build_layout(
+                num_units=first.num_units, workers=n, dp=dp, partition=first.partition,
+                micro_batch_size=first.micro_batch_size, num_micro_batches=micro_batches,
+                schedule=first.schedule, virtual_stages=first.virtual_stages,
+            ))
+    return gens, layouts

@@ -6,6 +6,7 @@ The layout type itself (``Layout``, ``ScheduleKind``, ``LayoutError``) is the co
 
 from __future__ import annotations
 
+from tidal_api import ElasticTrainingJob
 from tidal_api.layout import Layout, LayoutError, ScheduleKind
 
 
@@ -70,4 +71,28 @@ def build_layout(
         num_micro_batches=num_micro_batches // dp,
         schedule=schedule,
         virtual_stages=virtual_stages,
+    )
+
+
+def resolve_layout(
+    job: ElasticTrainingJob,
+    *,
+    workers: int,
+    schedule: str | None = None,
+    partition: tuple[int, ...] | None = None,
+) -> Layout:
+    """The layout for ``workers`` pipeline ranks without the planner: the units split evenly
+    under the CLI's schedule, else the spec's (``auto`` is 1F1B here), or a forced partition."""
+    spec = job.spec
+    kind = schedule or spec.parallelism.schedule
+    if kind == "auto":
+        kind = ScheduleKind.ONE_F_ONE_B.value
+    return build_layout(
+        num_units=spec.model.num_units,
+        workers=workers,
+        micro_batch_size=spec.training.micro_batch_size,
+        num_micro_batches=spec.training.num_micro_batches,
+        schedule=kind,
+        partition=partition,
+        virtual_stages=spec.parallelism.virtual_stages,
     )

@@ -4,7 +4,8 @@ import pytest
 
 from tests.jobs import small_job
 from tidal_agent import checkpoint
-from tidal_agent.runner import resolve_layout, run_local
+from tidal_agent.runner import run_local
+from tidal_plan.layout import resolve_layout
 
 pytestmark = pytest.mark.slow
 

@@ -638,7 +638,8 @@ def _finish(pods: _Pods, observer: _Observer, survivors, steps: int) -> None:
 
 def _assert_bits_of_a_static_run(report: dict, doc: dict, steps: int) -> None:
     """Every step once, with the losses and final parameters of a fixed 2-worker run."""
-    from tidal_agent.runner import resolve_layout, run_local
+    from tidal_agent.runner import run_local
+    from tidal_plan.layout import resolve_layout
     from tidal_api import parse_job
 
     assert [s["step"] for s in report["steps"]] == list(range(steps))

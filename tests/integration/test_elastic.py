@@ -82,7 +82,9 @@ def test_with_peer_snapshots_leavers_go_at_once_where_their_keepers_stay(tmp_pat
     # the ring (worker-3's keeper leaves too): they send their state themselves.
     import yaml
 
-    from tidal_agent.runner import elastic_plan, resolve_layout, run_elastic, run_local
+    from tidal_agent.runner import run_elastic, run_local
+    from tidal_plan.elastic import elastic_plan
+    from tidal_plan.layout import resolve_layout
     from tidal_api import parse_job
 
     job = parse_job(yaml.safe_load(TINY.read_text()))
