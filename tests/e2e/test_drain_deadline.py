@@ -105,12 +105,13 @@ def _bitwise_static(report: dict, doc: dict, workers: int, *parts: dict) -> None
 
 @pytest.mark.timeout(420)
 def test_a_worker_that_does_not_drain_is_deleted_and_the_job_goes_on(tmp_path):
-    # A grace period of 5 s, not Kubernetes' 30: the kill comes sooner, the path is the same.
-    doc = _tiny(240, {"min": 2, "max": 3},
+    # A grace period of 2 s, not Kubernetes' 30: the kill comes sooner, the path is the same.
+    # 200 steps, as the other tests here: one static run serves them all.
+    doc = _tiny(200, {"min": 2, "max": 3},
                 checkpoint={"path": str(tmp_path / "ckpt"), "everySteps": 10},
                 scaling={"probabilityThreshold": 0.5, "cooldownSeconds": 0,
                          "switchOverheadSeconds": 1, "drainTimeoutSeconds": 3},
-                template={"terminationGracePeriodSeconds": 5})
+                template={"terminationGracePeriodSeconds": 2})
     w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
     with _running(doc, tmp_path, gpus=3) as (cluster, api, status):
         # The third GPU is idle: the operator grows the job into it.

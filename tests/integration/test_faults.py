@@ -20,6 +20,7 @@ from tidal_local.processes import free_port
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 20
+SAVE_TIMEOUT_S = 5  # the savers' rendezvous: what a survivor joining at the save waits out
 
 
 def _job(root):
@@ -71,9 +72,10 @@ def _saver(rank: int, port: int, root: str, joined: bool, errors) -> None:
     import torch
 
     torch.set_num_threads(1)
-    rendezvous = Rendezvous(host="127.0.0.1", port=port, prefix="save/", timeout_s=TIMEOUT_S)
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, prefix="save/",
+                            timeout_s=SAVE_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0,
-                          timeout=timedelta(seconds=TIMEOUT_S), use_libuv=True)
+                          timeout=timedelta(seconds=SAVE_TIMEOUT_S), use_libuv=True)
     world = build_world(rendezvous, 0, ("a", "b"), "ab"[rank], store=store)
     if joined:
         ensure_default_group(world)  # as the worker does as it builds a generation's trainer
