@@ -45,9 +45,9 @@ import torch.distributed as dist  # noqa: E402
 
 from tidal_agent.model import global_parameters  # noqa: E402
 from tidal_agent.runner import run_elastic, run_local  # noqa: E402
+from tidal_api import parse_job  # noqa: E402
 from tidal_plan.elastic import elastic_plan  # noqa: E402
 from tidal_plan.layout import resolve_layout  # noqa: E402
-from tidal_api import parse_job  # noqa: E402
 
 
 MODEL = {"layers": 13, "dModel": 512, "heads": 8, "vocab": 8192, "seqLen": 64}

@@ -26,9 +26,9 @@ sys.path[:0] = [*(str(ROOT / root) for root in ("api", "agent", "operator", "dou
 from reshard import _job  # noqa: E402  (the same model and job as the reshard benchmark)
 
 from tidal_agent.runner import run_local  # noqa: E402
-from tidal_plan.layout import resolve_layout  # noqa: E402
 from tidal_agent.snapshot import state_index  # noqa: E402
 from tidal_agent.switch import state_metadata  # noqa: E402
+from tidal_plan.layout import resolve_layout  # noqa: E402
 from tidal_plan.reshard import Placement  # noqa: E402
 
 

@@ -26,10 +26,10 @@ from lightkube.resources.core_v1 import Event, Pod
 
 from tidal_agent.link import ElasticTrainingJobResource as ETJ
 from tidal_agent.runner import run_local
-from tidal_plan.layout import resolve_layout
 from tidal_api import parse_job
 from tidal_local.arrivals import batch_pod
 from tidal_local.cluster import ClusterConfig, LocalCluster
+from tidal_plan.layout import resolve_layout
 
 pytestmark = pytest.mark.slow
 

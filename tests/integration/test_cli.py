@@ -2,24 +2,14 @@
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.commands import ROOT, TINY, tidal, tidal_here
 from tidal_agent.cli import load_job
 from tidal_api import ScaleTable
 
-ROOT = Path(__file__).resolve().parents[2]
-TIDAL = Path(sys.executable).with_name("tidal")
-TINY = ROOT / "examples" / "tiny.yaml"
-
-
-def tidal(*args, timeout=300):
-    return subprocess.run([str(TIDAL), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
 
 
 def _write_job(tmp_path, mutate):
@@ -187,7 +177,8 @@ def test_token_file_job_is_bitwise_across_layouts(tmp_path):
     for workers, partition in ((1, None), (3, "1,4,3")):
         report = tmp_path / f"r{workers}.json"
         extra = ["--partition", partition] if partition else []
-        result = tidal("run", job, "--workers", workers, "--steps", "4", "--report", report, *extra)
+        result = tidal_here("run", job, "--workers", workers, "--steps", "4", "--report", report,
+                            *extra)
         assert result.returncode == 0, result.stderr
         reports.append(json.loads(report.read_text()))
     one, three = reports

@@ -34,8 +34,8 @@ from tidal_agent.link import ControlError, ControlLink
 from tidal_agent.link import ElasticTrainingJobResource as ETJ
 from tidal_agent.protocol import Halt, LeaderLost
 from tidal_api import Target, keys
-from tidal_plan.elastic import Generation
 from tidal_kube.serving import load_manifests
+from tidal_plan.elastic import Generation
 from tidal_plan.layout import build_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -639,8 +639,8 @@ def _finish(pods: _Pods, observer: _Observer, survivors, steps: int) -> None:
 def _assert_bits_of_a_static_run(report: dict, doc: dict, steps: int) -> None:
     """Every step once, with the losses and final parameters of a fixed 2-worker run."""
     from tidal_agent.runner import run_local
-    from tidal_plan.layout import resolve_layout
     from tidal_api import parse_job
+    from tidal_plan.layout import resolve_layout
 
     assert [s["step"] for s in report["steps"]] == list(range(steps))
     job = parse_job(doc)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.integration.test_cli import TINY, tidal
+from tests.commands import TINY, tidal_here
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +14,7 @@ RECONFIG_KEYS = {"at_step", "from", "to", "pause_s", "world_s", "transfer_s", "r
 
 def _report(tmp_path, name, *args):
     path = tmp_path / f"{name}.json"
-    result = tidal("run", TINY, "--steps", "16", "--report", path, *args)
+    result = tidal_here("run", TINY, "--steps", "16", "--report", path, *args)
     assert result.returncode == 0, result.stderr
     return json.loads(path.read_text()), result.stderr
 
@@ -51,7 +51,7 @@ def test_relaxed_dp_scaling_reports_its_divergence(tmp_path):
     job = tmp_path / "relaxed.yaml"
     job.write_text(yaml.safe_dump(doc))
     path = tmp_path / "relaxed.json"
-    result = tidal("run", job, "--steps", "12", "--report", path,
+    result = tidal_here("run", job, "--steps", "12", "--report", path,
                    "--workers-schedule", "0:2,4:4,8:3")
     assert result.returncode == 0, result.stderr
     report = json.loads(path.read_text())
@@ -83,9 +83,9 @@ def test_with_peer_snapshots_leavers_go_at_once_where_their_keepers_stay(tmp_pat
     import yaml
 
     from tidal_agent.runner import run_elastic, run_local
+    from tidal_api import parse_job
     from tidal_plan.elastic import elastic_plan
     from tidal_plan.layout import resolve_layout
-    from tidal_api import parse_job
 
     job = parse_job(yaml.safe_load(TINY.read_text()))
     gens, layouts = elastic_plan(job, [(0, 3), (4, 2), (8, 4), (12, 2)])

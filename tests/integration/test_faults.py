@@ -13,10 +13,10 @@ import torch.distributed as dist
 from tests.jobs import small_job
 from tidal_agent import checkpoint
 from tidal_agent.runner import RunError, run_elastic, run_local
-from tidal_plan.elastic import elastic_plan
-from tidal_plan.layout import resolve_layout
 from tidal_agent.world import Rendezvous, build_world, ensure_default_group
 from tidal_local.processes import free_port
+from tidal_plan.elastic import elastic_plan
+from tidal_plan.layout import resolve_layout
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 20

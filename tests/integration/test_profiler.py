@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.integration.test_cli import TINY, tidal
+from tests.commands import TINY, tidal_here
 from tidal_agent.sharing import sharing_copies
 from tidal_plan.profiled import load_profile
 
@@ -15,7 +15,7 @@ def test_profile_covers_every_unit_and_keeps_the_bits(tmp_path):
     plain, profiled = tmp_path / "plain.json", tmp_path / "profiled.json"
     profile = tmp_path / "profile.json"
     for report, extra in ((plain, []), (profiled, ["--profile", profile])):
-        result = tidal("run", TINY, "--workers", "3", "--steps", "5", "--report", report, *extra)
+        result = tidal_here("run", TINY, "--workers", "3", "--steps", "5", "--report", report, *extra)
         assert result.returncode == 0, result.stderr
     a, b = json.loads(plain.read_text()), json.loads(profiled.read_text())
     assert [s["loss_hex"] for s in a["steps"]] == [s["loss_hex"] for s in b["steps"]]
