@@ -35,6 +35,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "default"
+# Every test's last event comes by step 70 here (a replacement's generation, at 62-67); the
+# job trains on after it, and one static run of this length serves every test's bitwise check.
+STEPS = 150
 
 
 def _until(check, timeout_s: float, what: str, cluster: LocalCluster):
@@ -106,8 +109,7 @@ def _bitwise_static(report: dict, doc: dict, workers: int, *parts: dict) -> None
 @pytest.mark.timeout(420)
 def test_a_worker_that_does_not_drain_is_deleted_and_the_job_goes_on(tmp_path):
     # A grace period of 2 s, not Kubernetes' 30: the kill comes sooner, the path is the same.
-    # 200 steps, as the other tests here: one static run serves them all.
-    doc = _tiny(200, {"min": 2, "max": 3},
+    doc = _tiny(STEPS, {"min": 2, "max": 3},
                 checkpoint={"path": str(tmp_path / "ckpt"), "everySteps": 10},
                 scaling={"probabilityThreshold": 0.5, "cooldownSeconds": 0,
                          "switchOverheadSeconds": 1, "drainTimeoutSeconds": 3},
@@ -148,7 +150,7 @@ def test_a_worker_that_dies_unasked_is_replaced_and_the_job_goes_on(tmp_path, si
     """SIGKILL: the worker dies mid-step and is lost once silent. SIGTERM (a pod deleted,
     preempted or drained): it leaves at its next step boundary and says so, so it is lost at
     once."""
-    doc = _tiny(200, {"min": 2, "max": 2})
+    doc = _tiny(STEPS, {"min": 2, "max": 2})
     w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
     with _running(doc, tmp_path, gpus=2) as (cluster, api, status):
         _until(lambda: (s := status()).get("members") == [w0, w1] and s.get("step", 0) >= 20,
@@ -186,7 +188,7 @@ def test_a_job_whose_leader_is_lost_restarts_from_where_it_was(tmp_path):
     every member saves; killed, the others save the boundary their peer snapshots hold. Each
     time the operator restarts the job, and it trains on from there."""
     root = tmp_path / "ckpt"
-    doc = _tiny(200, {"min": 2, "max": 2}, checkpoint={"path": str(root), "everySteps": 1000})
+    doc = _tiny(STEPS, {"min": 2, "max": 2}, checkpoint={"path": str(root), "everySteps": 1000})
     w0, w1 = (f"tiny-worker-{i}" for i in range(2))
     with _running(doc, tmp_path, gpus=2) as (cluster, api, status):
         _until(lambda: (s := status()).get("members") == [w0, w1] and s.get("step", 0) >= 20,
