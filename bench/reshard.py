@@ -77,7 +77,8 @@ def checkpoint_restart() -> dict:
         first = run_local(_job(root), resolve_layout(_job(), workers=2), steps=1, timeout_s=600)
         saved = first["checkpoints"][0]
         second = run_local(_job(), resolve_layout(_job(), workers=3), steps=2,
-                           resume_from=saved["path"], timeout_s=600)
+                           resume_from=saved["path"], timeout_s=600,
+                           fresh_interpreters=True)  # as restarted pods start
     return {"save_s": saved["seconds"], "startup_s": second["startup_s"],
             "total_s": saved["seconds"] + second["startup_s"]}
 

@@ -39,13 +39,16 @@ from tidal_plan.elastic import Generation, all_workers
 _SPAWNING = threading.Lock()  # held while a launch sets the environment its workers inherit
 
 
-def worker_processes() -> mp.context.BaseContext:
+def worker_processes(fresh: bool = False) -> mp.context.BaseContext:
     """Where worker processes come from: forks of one server process per launcher that has
     imported the worker and ``torch._dynamo`` (which torch.optim imports at an optimizer's
     first parameter group), instead of a fresh interpreter each. That saves every worker after
     the launcher's first about 3 s of CPU (2 cores: one run of the test suite saves minutes).
     The server runs no tensor operation, so a fork inherits no started thread pool (OpenMP's is
-    not fork-safe); each worker sets its own threads."""
+    not fork-safe); each worker sets its own threads. ``fresh``: a fresh interpreter each, as
+    a restarted pod has (the checkpoint-restart baseline of bench/reshard.py)."""
+    if fresh:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["tidal_agent.worker", "torch._dynamo"])
     return ctx
@@ -79,13 +82,15 @@ def run_elastic(
     bucket_bytes: int = 256 << 20,
     profile_out: str | Path | None = None,
     peer_snapshots: bool = False,
+    fresh_interpreters: bool = False,
 ) -> dict[str, Any]:
     """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
     With ``resume_from`` (a checkpoint directory) training continues from the step it was saved
     at, in the first generation's layout whatever the layout that saved it. ``spec.checkpoint``
     sets periodic saves. A fixed schedule has no fault path, so peer snapshots are off unless
-    ``peer_snapshots`` (to measure what they cost).
+    ``peer_snapshots`` (to measure what they cost). ``fresh_interpreters``: see
+    :func:`worker_processes`.
     """
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -108,7 +113,7 @@ def run_elastic(
         profile_steps=profile_window(steps) if profile_out else (0, 0),
         peer_snapshots=peer_snapshots,
     )
-    ctx = worker_processes()
+    ctx = worker_processes(fresh_interpreters)
     events = ctx.Queue()
     spec_json = job.spec.model_dump_json()
     workers = all_workers(gens)
