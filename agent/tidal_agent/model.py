@@ -171,6 +171,10 @@ def build_unit(model: ModelSpec, unit: int, seed: int) -> Unit:
 def _construct_unit(model: ModelSpec, unit: int) -> Unit:
     if not 0 <= unit < model.num_units:
         raise ValueError(f"unit {unit} is outside the model's {model.num_units} units")
+    if model.huggingface is not None:  # transformers loads only for such a model
+        from tidal_agent import hf
+
+        return hf.construct_unit(model, unit)
     if unit == 0:
         module: Unit = Embedding(model, unit)
     elif unit <= model.layers:
@@ -185,6 +189,10 @@ def _construct_unit(model: ModelSpec, unit: int) -> Unit:
 
 @torch.no_grad()
 def _initialise(module: Unit, model: ModelSpec, seed: int) -> None:
+    if model.huggingface is not None:
+        from tidal_agent import hf
+
+        return hf.initialise(module, model, seed)
     # GPT-2 initialisation, drawn in parameter-name order from the unit's own generator.
     gen = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * model.layers)
@@ -211,7 +219,7 @@ class StageModule(nn.Module):
         else:  # values arrive from a checkpoint or a reshard: skip drawing them
             with torch.device("meta"):
                 built = {u: _construct_unit(model, u) for u in units}
-        blocks = {str(u - 1): m for u, m in built.items() if isinstance(m, Block)}
+        blocks = {str(u - 1): m for u, m in built.items() if 1 <= u <= model.layers}
         mtp = {str(u - model.layers - 2): m for u, m in built.items() if u > model.layers + 1}
         if 0 in built:
             self.embed = built[0]
@@ -239,7 +247,7 @@ class StageModule(nn.Module):
 
     @property
     def num_losses(self) -> int:
-        return sum(isinstance(u, LossHead) for u in self._ordered)
+        return sum(u.index > self.model.layers for u in self._ordered)
 
 
 def loss_units(model: ModelSpec) -> list[int]:

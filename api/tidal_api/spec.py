@@ -98,16 +98,63 @@ class WorkersSpec(_Spec):
         return self
 
 
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoder-only, rotary, untied here
+# The manifest's sizes and the config.json fields that must agree with them.
+_HF_SIZES = (("layers", "num_hidden_layers"), ("d_model", "hidden_size"),
+             ("heads", "num_attention_heads"), ("vocab", "vocab_size"))
+# The CEL rules' messages, which parse_job's begin with (then the particulars).
+_HF_KIND = ("model.huggingface.config: model_type must be one of " + ", ".join(HF_MODEL_TYPES)
+            + ", with untied input and output embeddings")
+_HF_SIZES_MESSAGE = ("model.huggingface: layers, dModel, heads and vocab must be the config's "
+                     "num_hidden_layers, hidden_size, num_attention_heads and vocab_size, seqLen "
+                     "at most its max_position_embeddings, with no mtpHeads or dropout")
+
+
+class HuggingFaceSpec(_Spec):
+    """A Hugging Face causal LM, built with ``transformers`` from its config.json fields."""
+
+    model_config = _cel(
+        "has(self.config.model_type) && self.config.model_type in "
+        + str(list(HF_MODEL_TYPES)).replace(" ", "")
+        + " && !(has(self.config.tie_word_embeddings) && self.config.tie_word_embeddings == true)",
+        _HF_KIND,
+    )
+
+    config: dict[str, Any] = Field(
+        description="config.json's fields, model_type included: one of "
+        + ", ".join(HF_MODEL_TYPES) + ". Nothing is downloaded."
+    )
+
+    @model_validator(mode="after")
+    def _supported(self) -> HuggingFaceSpec:
+        kind = self.config.get("model_type")
+        if kind not in HF_MODEL_TYPES:
+            raise ValueError(f"{_HF_KIND}: model_type {kind!r} is not supported")
+        if self.config.get("tie_word_embeddings"):
+            raise ValueError(f"{_HF_KIND}: tied embeddings are not supported yet")
+        return self
+
+
 class ModelSpec(_Spec):
     """The GPT-style decoder's architecture: the one description of the job's model, which the
     trainer builds, reshard plans and checkpoints name, and the planner counts (ModelShape.of)."""
 
-    model_config = _cel(
-        "self.dModel % self.heads == 0",
-        "model.heads must divide model.dModel",
-        '"model.heads (" + string(self.heads) + ") must divide model.dModel ("'
-        ' + string(self.dModel) + ")"',
-    )
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        *_cel(
+            "self.dModel % self.heads == 0",
+            "model.heads must divide model.dModel",
+            '"model.heads (" + string(self.heads) + ") must divide model.dModel ("'
+            ' + string(self.dModel) + ")"',
+        )["json_schema_extra"]["x-kubernetes-validations"],
+        {"rule": "!has(self.huggingface) || ("
+                 + " && ".join(f"has(self.huggingface.config.{key}) && "
+                               f"self.huggingface.config.{key} == self.{to_camel(field)}"
+                               for field, key in _HF_SIZES)
+                 + " && (!has(self.huggingface.config.max_position_embeddings) || "
+                   "self.seqLen <= self.huggingface.config.max_position_embeddings)"
+                 + " && self.mtpHeads == 0 && self.dropout == 0.0)",
+         "message": _HF_SIZES_MESSAGE},
+    ]})
 
     layers: int = Field(ge=1, le=MAX_LAYERS, description="Transformer blocks.")
     d_model: int = Field(ge=1, le=MAX_D_MODEL, description="Hidden size.")
@@ -119,11 +166,36 @@ class ModelSpec(_Spec):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
     mlp_ratio: int = Field(4, ge=1, le=MAX_MLP_RATIO,
                            description="MLP hidden size as a multiple of dModel.")
+    huggingface: HuggingFaceSpec | None = Field(
+        None, description="Train this Hugging Face causal LM instead of the built-in GPT: "
+        "layers, dModel, heads and vocab state its config's sizes (the operator plans from "
+        "them without the config), seqLen is at most its max_position_embeddings."
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
         if self.d_model % self.heads:
             raise ValueError(f"model.heads ({self.heads}) must divide model.dModel ({self.d_model})")
+        return self
+
+    @model_validator(mode="after")
+    def _huggingface_sizes(self) -> ModelSpec:
+        if self.huggingface is None:
+            return self
+        config = self.huggingface.config
+        for field, key in _HF_SIZES:
+            if key not in config:
+                raise ValueError(f"{_HF_SIZES_MESSAGE}: the config lacks {key}")
+            if config[key] != getattr(self, field):
+                raise ValueError(f"{_HF_SIZES_MESSAGE}: model.{to_camel(field)} is "
+                                 f"{getattr(self, field)}, {key} {config[key]}")
+        positions = config.get("max_position_embeddings")
+        if positions is not None and self.seq_len > positions:
+            raise ValueError(f"{_HF_SIZES_MESSAGE}: model.seqLen is {self.seq_len}, "
+                             f"max_position_embeddings {positions}")
+        if self.mtp_heads or self.dropout:
+            raise ValueError(f"{_HF_SIZES_MESSAGE}: mtpHeads and dropout are the built-in "
+                             "GPT's")
         return self
 
     @property

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from tidal_api import spec as spec_module
 from tidal_api import (
     Arrival,
     Condition,
@@ -54,6 +55,8 @@ MISSING = object()
 
 # What every manifest must give: what to train, on how many workers.
 REQUIRED = {"workers": {"min": 2, "max": 8}, "model": {"layers": 6, "dModel": 64, "heads": 4}}
+HF_SIZES = {"num_hidden_layers": 6, "hidden_size": 64, "num_attention_heads": 4,
+            "vocab_size": 256}  # REQUIRED's model's, as a Hugging Face config states them
 
 
 def _doc(spec: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
@@ -408,6 +411,11 @@ CEL_REFUSALS = [
      "training.data.path is required when training.data.kind is tokens"),
     ({"training": {"data": {"kind": "tokens", "path": ""}}},
      "training.data.path is required when training.data.kind is tokens"),
+    ({"model": {"huggingface": {"config": {**HF_SIZES, "model_type": "bert"}}}},
+     spec_module._HF_KIND),
+    ({"model": {"huggingface": {"config": {**HF_SIZES, "model_type": "llama",
+                                           "num_hidden_layers": 5}}}},
+     spec_module._HF_SIZES_MESSAGE),
 ]
 
 
@@ -428,7 +436,7 @@ def test_every_cel_rule_has_a_refusal_case():
         stack += [node["items"]] if "items" in node else []
     broken = {rule for spec, _ in CEL_REFUSALS
               for rule, _ in _cel_failures(SCHEMA, _defaulted(SCHEMA, _doc(spec)))}
-    assert rules == broken and len(rules) == 4
+    assert rules == broken and len(rules) == 6
 
 
 @pytest.mark.parametrize(("spec", "where"), [

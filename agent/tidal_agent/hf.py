@@ -1,0 +1,164 @@
+"""Hugging Face causal LMs as placement units: the model ``transformers`` builds from the job's
+``model.huggingface.config``, cut at the same seams as the built-in GPT.
+
+Units, in order: the token embedding, each decoder layer, and the final norm with the LM head.
+Each unit holds the transformers modules themselves (``LlamaDecoderLayer``, ...), so the
+numbers are the library's; what the model's own ``forward`` does between them, every unit that
+needs it does for itself: a decoder layer computes the rotary position embeddings and the causal
+(or sliding-window) mask of its stage from the positions, which are the same on every stage.
+Global parameter names map one to one onto the Hugging Face checkpoint's:
+``embed.embed_tokens.*`` is ``model.embed_tokens.*``, ``blocks.{i}.layer.*`` is
+``model.layers.{i}.*``, ``head.norm.*`` is ``model.norm.*`` and ``head.lm_head.*`` is
+``lm_head.*`` (:func:`hf_name`).
+
+Initial values are the library's ``_init_weights``, drawn unit by unit from a generator seeded
+by (seed, unit) alone, so that every placement holds the same numbers. Tied input and output
+embeddings are refused here (``tidal_api.spec`` says so in the manifest's terms).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal_api.spec import ModelSpec
+
+from tidal_agent.model import Unit, UnitContext
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PretrainedConfig
+
+
+@functools.lru_cache(maxsize=4)
+def _skeleton(config_json: str) -> tuple[PretrainedConfig, PreTrainedModel]:
+    """The whole model on the meta device (no memory, no values), once per config: the units
+    take their modules from it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(config_json)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return config, model
+
+
+def _key(spec: ModelSpec) -> str:
+    return json.dumps(spec.huggingface.config, sort_keys=True)
+
+
+def _model(spec: ModelSpec) -> tuple[PretrainedConfig, PreTrainedModel]:
+    return _skeleton(_key(spec))
+
+
+def hf_name(spec: ModelSpec, name: str) -> str:
+    """The Hugging Face checkpoint's name of the global parameter ``name``."""
+    unit, _, rest = name.partition(".")
+    if unit == "embed":
+        return "model." + rest
+    if unit == "blocks":
+        index, _, inner = rest.partition(".")
+        return f"model.layers.{index}." + inner.removeprefix("layer.")
+    if rest.startswith("norm."):
+        return "model." + rest
+    return rest  # lm_head.*
+
+
+def construct_unit(spec: ModelSpec, unit: int) -> Unit:
+    """Placement unit ``unit`` on the meta device, its values not drawn."""
+    config, model = _model(spec)
+    with torch.device("meta"):
+        if unit == 0:
+            return HFEmbedding(spec, unit, _fresh(model.model.embed_tokens))
+        if unit <= spec.layers:
+            return HFDecoderLayer(spec, unit, _fresh(model.model.layers[unit - 1]))
+        return HFHead(spec, unit, _fresh(model.model.norm), _fresh(model.lm_head))
+
+
+def _fresh(module: nn.Module) -> nn.Module:
+    """A copy of a skeleton's module: units do not share parameters."""
+    return copy.deepcopy(module)
+
+
+@torch.no_grad()
+def initialise(module: Unit, spec: ModelSpec, seed: int) -> None:
+    """The library's initial values for ``module``'s parameters, drawn from ``seed`` alone."""
+    _, model = _model(spec)
+    module.to_empty(device="cpu")  # built on the meta device
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for sub in module.modules():
+            if not isinstance(sub, _UNIT_TYPES):
+                model._init_weights(sub)
+
+
+class HFEmbedding(Unit):
+    def __init__(self, spec: ModelSpec, index: int, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.model, self.index = spec, index
+        self.embed_tokens = embed_tokens
+
+    def forward(self, h: torch.Tensor | None, ctx: UnitContext):
+        return self.embed_tokens(ctx.tokens[:, : self.model.seq_len]), None
+
+
+class HFDecoderLayer(Unit):
+    def __init__(self, spec: ModelSpec, index: int, layer: nn.Module) -> None:
+        super().__init__()
+        self.model, self.index = spec, index
+        self.layer = layer
+        config, _ = _model(spec)
+        layer_types = getattr(config, "layer_types", None)
+        self.sliding = (layer_types[index - 1] == "sliding_attention" if layer_types
+                        else getattr(config, "sliding_window", None) is not None)
+
+    def forward(self, h: torch.Tensor, ctx: UnitContext):
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        config, _ = _model(self.model)
+        mask = _mask(config, self.sliding, h, positions)
+        cos_sin = _rotary(_key(self.model), str(h.device))(h, positions)
+        out = self.layer(h, attention_mask=mask, position_embeddings=cos_sin,
+                         position_ids=positions)
+        return (out[0] if isinstance(out, tuple) else out), None
+
+
+class HFHead(Unit):
+    """The final norm and the LM head, predicting the next token."""
+
+    def __init__(self, spec: ModelSpec, index: int, norm: nn.Module, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.model, self.index = spec, index
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, h: torch.Tensor, ctx: UnitContext):
+        logits = self.lm_head(self.norm(h))
+        targets = ctx.tokens[:, 1 : 1 + self.model.seq_len]
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return h.clone(), loss  # a copy, not a view: see tidal_agent.model.LossHead
+
+
+_UNIT_TYPES = (HFEmbedding, HFDecoderLayer, HFHead)
+
+
+def _mask(config: PretrainedConfig, sliding: bool, h: torch.Tensor, positions: torch.Tensor):
+    from transformers.masking_utils import (create_causal_mask,
+                                            create_sliding_window_causal_mask)
+
+    make = create_sliding_window_causal_mask if sliding else create_causal_mask
+    return make(config=config, inputs_embeds=h, attention_mask=None, cache=None,
+                position_ids=positions)
+
+
+@functools.lru_cache(maxsize=8)
+def _rotary(key: str, device: str) -> nn.Module:
+    """The model's rotary embedding on ``device``: the skeleton's is on the meta device, where
+    its buffers hold nothing."""
+    config, model = _skeleton(key)
+    with torch.device(device):
+        return type(model.model.rotary_emb)(config=config)

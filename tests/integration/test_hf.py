@@ -1,0 +1,127 @@
+"""Hugging Face causal LMs (issue 24): the transformers model's own numbers, cut into placement
+units, and the determinism contract over them: any pipeline degree, partition, schedule and
+live switch gives the float.hex losses and parameter digest of one process."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.jobs import small_job
+from tidal_agent.hf import hf_name
+from tidal_agent.model import StageModule, UnitContext
+from tidal_agent.runner import run_elastic, run_local
+from tidal_agent.trainer import batch_source
+from tidal_plan.elastic import elastic_plan
+from tidal_plan.layout import resolve_layout
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+SIZES = {"layers": 4, "dModel": 64, "heads": 4, "vocab": 256, "seqLen": 32}
+TRAINING = {"steps": STEPS, "globalBatchSize": 8, "microBatchSize": 2, "lr": 3e-3,
+            "warmupSteps": 2, "gradClip": 0.5, "seed": 3}
+
+
+def _config(model_type: str, **extra) -> dict:
+    return {"model_type": model_type, "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64, **extra}
+
+
+def _job(model_type: str, **extra):
+    return small_job("hf", model={**SIZES, "huggingface": {"config": _config(model_type, **extra)}},
+                     training=TRAINING)
+
+
+def _bits(report):
+    assert len(report["steps"]) == STEPS
+    return [s["loss_hex"] for s in report["steps"]], report["params_sha256"]
+
+
+def _run(job, workers, schedule="1f1b", partition=None):
+    layout = resolve_layout(job, workers=workers, schedule=schedule, partition=partition)
+    return _bits(run_local(job, layout, steps=STEPS, timeout_s=120))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _job("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    return _run(llama, 1)
+
+
+@pytest.mark.parametrize(
+    ("workers", "schedule", "partition"),
+    [
+        (2, "gpipe", None),
+        (3, "1f1b", (1, 4, 1)),  # uneven: the decoder layers on one stage
+        (4, "1f1b", None),
+        (3, "zb", (2, 2, 2)),
+        (2, "interleaved", None),
+    ],
+)
+def test_llama_has_the_bits_of_one_process(llama, reference, workers, schedule, partition):
+    assert _run(llama, workers, schedule, partition) == reference
+
+
+def test_llama_switching_live_has_the_bits_of_one_process(llama, reference):
+    gens, layouts = elastic_plan(llama, [(0, 1), (2, 3), (4, 2)])
+    report = run_elastic(llama, gens, layouts, steps=STEPS, timeout_s=120)
+    assert [c["at_step"] for c in report["reconfigurations"]] == [2, 4]
+    assert _bits(report) == reference
+
+
+def test_the_loss_moves(reference):
+    losses, _ = reference
+    values = [float.fromhex(h) for h in losses]
+    assert values[-1] < values[0]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral"])
+def test_other_families_have_the_bits_of_one_process(model_type):
+    job = _job(model_type)
+    assert _run(job, 3, "1f1b", (2, 3, 1)) == _run(job, 1)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+def test_the_units_compute_what_the_transformers_model_computes(model_type):
+    """Tidal's units, their parameters loaded into the library's own model under the
+    checkpoint's names: the same logits' loss on a micro-batch, bit for bit in fp32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    job = _job(model_type)
+    spec = job.spec.model
+    stage = StageModule(spec, range(spec.num_units), seed=11)
+    fields = _config(model_type)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config._attn_implementation = "sdpa"
+    reference = AutoModelForCausalLM.from_config(config)
+    loaded = reference.load_state_dict(
+        {hf_name(spec, name): p for name, p in stage.named_parameters()}, strict=False)
+    assert not loaded.unexpected_keys
+    assert set(loaded.missing_keys) <= {"model.rotary_emb.inv_freq"}
+
+    tokens = batch_source(job.spec).micro_batch(0, 0)
+    ctx = UnitContext(seed=0, step=0, mb=0, device=torch.device("cpu"), load=lambda: tokens)
+    with torch.no_grad():
+        _, (ours,) = stage(None, ctx)
+        logits = reference(input_ids=tokens[:, :spec.seq_len]).logits
+        theirs = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                 tokens[:, 1:1 + spec.seq_len].reshape(-1))
+    assert ours.item().hex() == theirs.item().hex()
+
+
+def test_unsupported_and_inconsistent_configs_get_one_clear_line():
+    from tidal_api import JobSpecError
+
+    with pytest.raises(JobSpecError, match="model_type 'bert' is not supported$"):
+        _job("bert")
+    with pytest.raises(JobSpecError, match="tied embeddings are not supported yet$"):
+        _job("llama", tie_word_embeddings=True)
+    with pytest.raises(JobSpecError, match="model.layers is 4, num_hidden_layers 6$"):
+        _job("llama", num_hidden_layers=6)
+    with pytest.raises(JobSpecError, match="model.seqLen is 32, max_position_embeddings 16$"):
+        _job("llama", max_position_embeddings=16)
