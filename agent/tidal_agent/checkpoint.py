@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,6 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tidal_api.spec import ModelSpec
+
+from tidal_agent.model import global_parameters
 from tidal_agent.trainer import Trainer
 from tidal_agent.world import World, ensure_default_group
 
@@ -70,6 +74,24 @@ def save_state(state: Mapping[str, torch.Tensor], world: World, root: str | Path
         (target / MARKER).write_text(json.dumps(meta) + "\n")
     dist.barrier()
     return target
+
+
+def load_parameters(model: ModelSpec, directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every parameter of a checkpoint of ``model``, in this process alone (no world): what
+    ``tidal export`` writes out."""
+    directory = Path(directory)
+    if not (directory / MARKER).is_file():
+        raise ValueError(f"{directory}: not a complete Tidal checkpoint directory")
+    meta = json.loads((directory / MARKER).read_text())
+    names = global_parameters(model)
+    if meta["num_params"] != len(names):
+        raise ValueError(f"checkpoint {directory} holds {meta['num_params']} parameters; this "
+                         f"model has {len(names)}: export it with the job it was saved from")
+    state = {name: torch.empty(shape) for name, shape, _ in names}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: what is asked
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
+    return state
 
 
 def load(trainer: Trainer, directory: str | Path) -> int:

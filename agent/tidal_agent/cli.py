@@ -49,19 +49,19 @@ def _parse_partition(text: str | None) -> tuple[int, ...] | None:
     return parts
 
 
-def _resume_dir(job: ElasticTrainingJob, resume: str) -> Path:
+def _resume_dir(job: ElasticTrainingJob, resume: str, flag: str = "--resume") -> Path:
     from tidal_agent import checkpoint
 
     if resume != "latest":
         path = Path(resume)
         if not (path / checkpoint.MARKER).is_file():
-            raise JobSpecError(f"--resume {resume}: not a complete Tidal checkpoint directory")
+            raise JobSpecError(f"{flag} {resume}: not a complete Tidal checkpoint directory")
         return path
     root = job.spec.checkpoint.path
     found = checkpoint.latest(root) if root else None
     if found is None:
         raise JobSpecError(
-            f"--resume latest: no complete checkpoint under spec.checkpoint.path ({root})"
+            f"{flag} latest: no complete checkpoint under spec.checkpoint.path ({root})"
         )
     return found[1]
 
@@ -339,6 +339,31 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
     else:
         _console.print(f"{identity.pod}: released" + (
             f" at step {result['left_at']}" if result["left_at"] is not None else " from standby"))
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--checkpoint", "which", default="latest", show_default=True, help="A checkpoint directory, or 'latest' under spec.checkpoint.path.")
+def export(job_file, out, which) -> None:
+    """Write a checkpoint of JOB_FILE's Hugging Face model to OUT as a Hugging Face directory
+    (config.json and safetensors) that transformers' from_pretrained loads."""
+    try:
+        job = load_job(job_file)
+        if job.spec.model.huggingface is None:
+            raise JobSpecError(f"{job_file}: tidal export writes Hugging Face models "
+                               "(spec.model.huggingface); this job trains the built-in GPT")
+        directory = _resume_dir(job, which, "--checkpoint")
+    except JobSpecError as err:
+        raise click.ClickException(str(err)) from None
+    from tidal_agent import checkpoint, hf
+
+    try:
+        parameters = checkpoint.load_parameters(job.spec.model, directory)
+        hf.export(job.spec.model, parameters, out)
+    except (ValueError, OSError) as err:
+        raise click.ClickException(str(err)) from None
+    _console.print(f"wrote {directory} ({len(parameters)} tensors) to {out}")
 
 
 @main.group()

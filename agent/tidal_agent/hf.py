@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,14 +89,76 @@ def _fresh(module: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def initialise(module: Unit, spec: ModelSpec, seed: int) -> None:
-    """The library's initial values for ``module``'s parameters, drawn from ``seed`` alone."""
+    """``module``'s initial values: from ``model.huggingface.weights`` where given, else the
+    library's random ones, drawn from ``seed`` alone."""
     _, model = _model(spec)
     module.to_empty(device="cpu")  # built on the meta device
+    if spec.huggingface.weights:
+        _load_weights(module, spec)
+        return
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for sub in module.modules():
             if not isinstance(sub, _UNIT_TYPES):
                 model._init_weights(sub)
+
+
+class WeightsError(ValueError):
+    """Weights that cannot be loaded into the job's model; the message is one line."""
+
+
+def _load_weights(module: Unit, spec: ModelSpec) -> None:
+    """Copy the unit's tensors, by their checkpoint names, from the safetensors files."""
+    from safetensors import safe_open
+
+    from tidal_agent.model import unit_name
+
+    where = Path(spec.huggingface.weights)
+    files = _weight_files(where)
+    prefix = unit_name(spec, module.index)
+    for name, param in module.named_parameters():
+        key = hf_name(spec, f"{prefix}.{name}")
+        if key not in files:
+            raise WeightsError(f"{where}: no tensor {key}: the weights are not this config's")
+        with safe_open(files[key], framework="pt") as shard:
+            tensor = shard.get_tensor(key)
+        if tensor.shape != param.shape:
+            raise WeightsError(f"{where}: {key} has shape {list(tensor.shape)}; the config's "
+                               f"is {list(param.shape)}: the weights are not this config's")
+        param.copy_(tensor)
+
+
+@functools.lru_cache(maxsize=4)
+def _weight_files(where: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it, for a save_pretrained directory."""
+    from safetensors import safe_open
+
+    index = where / "model.safetensors.index.json"
+    if index.is_file():
+        shards = json.loads(index.read_text())["weight_map"]
+        return {name: where / file for name, file in shards.items()}
+    single = where / "model.safetensors"
+    if not single.is_file():
+        raise WeightsError(f"{where}: no model.safetensors or model.safetensors.index.json "
+                           "(model.huggingface.weights)")
+    with safe_open(single, framework="pt") as shard:
+        return dict.fromkeys(shard.keys(), single)
+
+
+def export(spec: ModelSpec, parameters: dict[str, torch.Tensor], out: str | Path) -> Path:
+    """Write ``parameters`` (every global name) as a Hugging Face directory: config.json and
+    safetensors, as the library's ``save_pretrained`` writes them."""
+    from transformers import AutoModelForCausalLM
+
+    config, _ = _model(spec)
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(
+        {hf_name(spec, name): tensor for name, tensor in parameters.items()}, strict=False)
+    if unexpected or set(missing) - {"model.rotary_emb.inv_freq"}:
+        raise WeightsError(f"the parameters are not this config's: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    model.save_pretrained(out)
+    return Path(out)
 
 
 class HFEmbedding(Unit):

@@ -124,6 +124,11 @@ class HuggingFaceSpec(_Spec):
         description="config.json's fields, model_type included: one of "
         + ", ".join(HF_MODEL_TYPES) + ". Nothing is downloaded."
     )
+    weights: str | None = Field(
+        None, description="A local directory of safetensors weights as save_pretrained writes "
+        "them (model.safetensors, or shards listed by model.safetensors.index.json), on every "
+        "worker's disk: the initial values. Without it, the library's random initial values."
+    )
 
     @model_validator(mode="after")
     def _supported(self) -> HuggingFaceSpec:

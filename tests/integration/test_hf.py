@@ -5,12 +5,14 @@ live switch gives the float.hex losses and parameter digest of one process."""
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from tests.jobs import small_job
-from tidal_agent.hf import hf_name
+from tidal_agent.hf import WeightsError, hf_name
 from tidal_agent.model import StageModule, UnitContext
 from tidal_agent.runner import run_elastic, run_local
 from tidal_agent.trainer import batch_source
+from tidal_api import parse_job
 from tidal_plan.elastic import elastic_plan
 from tidal_plan.layout import resolve_layout
 
@@ -125,3 +127,69 @@ def test_unsupported_and_inconsistent_configs_get_one_clear_line():
         _job("llama", num_hidden_layers=6)
     with pytest.raises(JobSpecError, match="model.seqLen is 32, max_position_embeddings 16$"):
         _job("llama", max_position_embeddings=16)
+
+
+def _logits(stage: StageModule, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits of Tidal's units: every unit but the head's loss, then its norm and LM head."""
+    ctx = UnitContext(seed=0, step=0, mb=0, device=torch.device("cpu"), load=lambda: tokens)
+    h = None
+    for unit in stage.ordered_units[:-1]:
+        h, _ = unit(h, ctx)
+    head = stage.ordered_units[-1]
+    return head.lm_head(head.norm(h))
+
+
+def test_export_loads_in_transformers_and_weights_load_back(tmp_path):
+    """A checkpoint exported with ``tidal export`` is a directory from_pretrained loads, with
+    Tidal's logits bit for bit in fp32; as ``model.huggingface.weights`` it is a job's initial
+    values, which every layout trains to the same bits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.commands import tidal_here
+    from tidal_agent import checkpoint
+
+    job = _job("llama")
+    doc = job.model_dump(by_alias=True, exclude_none=True)
+    doc["spec"]["checkpoint"] = {"path": str(tmp_path / "ckpt"), "everySteps": 3}
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    saved = parse_job(doc)
+    run_local(saved, resolve_layout(saved, workers=2), steps=3, timeout_s=120)
+
+    out = tmp_path / "exported"
+    result = tidal_here("export", manifest, out)
+    assert result.returncode == 0, result.stderr
+    spec = job.spec.model
+    stage = StageModule(spec, range(spec.num_units), seed=0, initialise=False)
+    stage.load_state_dict(checkpoint.load_parameters(spec, tmp_path / "ckpt" / "step-00000003"))
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    tokens = batch_source(job.spec).micro_batch(3, 0)
+    with torch.no_grad():
+        ours = _logits(stage, tokens)
+        theirs = loaded(input_ids=tokens[:, :spec.seq_len]).logits
+    assert torch.equal(ours, theirs)
+
+    sharded = tmp_path / "sharded"  # as large checkpoints come: shards and their index
+    loaded.save_pretrained(sharded, max_shard_size="100KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    doc["spec"]["model"]["huggingface"]["weights"] = str(sharded)
+    del doc["spec"]["checkpoint"]
+    warm = parse_job(doc)
+    started = StageModule(warm.spec.model, range(spec.num_units), seed=0)
+    assert all(torch.equal(started.state_dict()[k], v) for k, v in stage.state_dict().items())
+    assert _run(warm, 3, "1f1b", (2, 3, 1)) == _run(warm, 1)
+
+
+def test_export_and_weights_say_what_is_wrong_in_one_line(tmp_path):
+    from tests.commands import tidal_here
+
+    doc = _job("llama").model_dump(by_alias=True, exclude_none=True)
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    result = tidal_here("export", manifest, tmp_path / "out", "--checkpoint", tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith("--checkpoint " + str(tmp_path) + ": not a complete "
+                                          "Tidal checkpoint directory")
+    doc["spec"]["model"]["huggingface"]["weights"] = str(tmp_path)
+    with pytest.raises(WeightsError, match="no model.safetensors or model.safetensors.index"):
+        StageModule(parse_job(doc).spec.model, range(2), seed=0)
