@@ -13,7 +13,7 @@ Global parameter names map one to one onto the Hugging Face checkpoint's:
 
 Initial values are the library's ``_init_weights``, drawn unit by unit from a generator seeded
 by (seed, unit) alone, so that every placement holds the same numbers. Tied input and output
-embeddings are refused here (``tidal_api.spec`` says so in the manifest's terms).
+embeddings are two parameters here, kept equal (:func:`tied`).
 """
 
 from __future__ import annotations
@@ -87,22 +87,40 @@ def _fresh(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
 
 
+EMBEDDING = "embed.embed_tokens.weight"
+LM_HEAD = "head.lm_head.weight"
+
+
+def tied(spec: ModelSpec) -> bool:
+    """Whether the config ties the LM head to the input embedding (small Qwen models do).
+
+    Tidal keeps two parameters, ``EMBEDDING`` on the first stage and ``LM_HEAD`` on the last,
+    equal from the start and given the same gradient every step (the trainer sums the two
+    halves in that order), so that they stay equal through any optimizer."""
+    config, _ = _model(spec)
+    return bool(config.tie_word_embeddings)
+
+
 @torch.no_grad()
 def initialise(module: Unit, spec: ModelSpec, seed: int) -> None:
     """``module``'s initial values: from ``model.huggingface.weights`` where given, else the
-    library's random ones, drawn from ``seed`` alone."""
+    library's random ones, drawn from (seed, unit) alone; a tied LM head takes the embedding's."""
+    from tidal_agent.seeding import derive_seed
+
     _, model = _model(spec)
     module.to_empty(device="cpu")  # built on the meta device
     if spec.huggingface.weights:
         _load_weights(module, spec)
         return
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(derive_seed(seed, "init", module.index))
         for sub in module.modules():
             if not isinstance(sub, _UNIT_TYPES):
                 model._init_weights(sub)
-
-
+    if isinstance(module, HFHead) and tied(spec):
+        embedding = construct_unit(spec, 0)
+        initialise(embedding, spec, seed)
+        module.lm_head.weight.copy_(embedding.embed_tokens.weight)
 class WeightsError(ValueError):
     """Weights that cannot be loaded into the job's model; the message is one line."""
 
@@ -118,6 +136,8 @@ def _load_weights(module: Unit, spec: ModelSpec) -> None:
     prefix = unit_name(spec, module.index)
     for name, param in module.named_parameters():
         key = hf_name(spec, f"{prefix}.{name}")
+        if f"{prefix}.{name}" == LM_HEAD and key not in files and tied(spec):
+            key = hf_name(spec, EMBEDDING)  # a tied checkpoint holds the embedding alone
         if key not in files:
             raise WeightsError(f"{where}: no tensor {key}: the weights are not this config's")
         with safe_open(files[key], framework="pt") as shard:

@@ -164,7 +164,12 @@ class LossHead(Unit):
 def build_unit(model: ModelSpec, unit: int, seed: int) -> Unit:
     """Build placement unit ``unit`` with initial values drawn from (seed, unit) alone."""
     module = _construct_unit(model, unit)
-    _initialise(module, model, derive_seed(seed, "init", unit))
+    if model.huggingface is not None:  # a tied LM head draws the embedding's values too
+        from tidal_agent import hf
+
+        hf.initialise(module, model, seed)
+    else:
+        _initialise(module, model, derive_seed(seed, "init", unit))
     return module
 
 
@@ -189,10 +194,6 @@ def _construct_unit(model: ModelSpec, unit: int) -> Unit:
 
 @torch.no_grad()
 def _initialise(module: Unit, model: ModelSpec, seed: int) -> None:
-    if model.huggingface is not None:
-        from tidal_agent import hf
-
-        return hf.initialise(module, model, seed)
     # GPT-2 initialisation, drawn in parameter-name order from the unit's own generator.
     gen = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * model.layers)

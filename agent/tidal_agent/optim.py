@@ -56,17 +56,21 @@ def clip_grad_norm(
     world: World,
     contributes: bool = True,
     mode: ClipMode = ClipMode.GLOBAL_ORDER,
+    uncounted: frozenset[int] = frozenset(),
 ) -> float:
     """Clip gradients in place to a global norm of ``max_norm``; return the norm before.
 
     ``indexed_params`` pairs each local parameter with its index in global parameter order.
     Data-parallel replicas hold the same (reduced) gradients: only one replica
     ``contributes`` its norms, so each entry of the reduced vector still has one contributor.
+    Parameters of the ``uncounted`` indices are clipped but left out of the norm: the copy of
+    a tied parameter, whose gradient the other copy counts.
     """
     if not indexed_params:
         raise ValueError("clip_grad_norm needs at least one local parameter")
     device = indexed_params[0][1].device
-    local = [torch.linalg.vector_norm(p.grad) for _, p in indexed_params]
+    local = [torch.linalg.vector_norm(p.grad) * (0.0 if i in uncounted else 1.0)
+             for i, p in indexed_params]
     if mode is ClipMode.GLOBAL_ORDER:
         norms = torch.zeros(num_params, device=device)
         if contributes:

@@ -44,6 +44,38 @@ def batch_source(spec: JobSpec) -> BatchSource:
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
+class TiedGradients:
+    """The gradient of a tied parameter held as two copies, ``first`` on the first stage and
+    ``last`` on the last: both get ``first``'s gradient plus ``last``'s, added in that order
+    wherever the stages are (one rank, or two that swap their halves), so the copies take the
+    same steps and the bits do not depend on the layout."""
+
+    def __init__(self, layout: Layout, replica: int, world: World,
+                 params: dict[str, torch.nn.Parameter], device: torch.device, *,
+                 first: str, last: str) -> None:
+        self.world, self.first, self.last = world, params.get(first), params.get(last)
+        ranks = [replica * layout.pp + layout.stage_rank(s) for s in (0, layout.num_stages - 1)]
+        self.peer = ranks[1] if world.rank == ranks[0] else ranks[0]
+        self.tag = 2 * layout.num_stages * layout.num_micro_batches  # past the pipeline's tags
+
+    def sum(self) -> None:
+        if self.first is not None and self.last is not None:
+            total = self.first.grad + self.last.grad
+        elif self.first is None and self.last is None:
+            return
+        else:
+            mine = (self.first if self.first is not None else self.last).grad
+            theirs = torch.empty_like(mine)
+            works = [self.world.send(mine, self.peer, self.tag),
+                     self.world.recv(theirs, self.peer, self.tag)]
+            for work in works:
+                work.wait()
+            total = mine + theirs if self.first is not None else theirs + mine
+        for param in (self.first, self.last):
+            if param is not None:
+                param.grad.copy_(total)
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     step: int
@@ -124,6 +156,15 @@ class Trainer:
             peers = tuple(world.members[r * layout.pp + pp_rank] for r in range(layout.dp))
             self.dp_world = world.subgroup(f"dp{pp_rank}", peers)
         self.device = device
+        self._tied: TiedGradients | None = None
+        self._uncounted: frozenset[int] = frozenset()
+        if model.huggingface is not None:
+            from tidal_agent import hf
+
+            if hf.tied(model):
+                self._tied = TiedGradients(layout, self.replica, world, dict(named), device,
+                                           first=hf.EMBEDDING, last=hf.LM_HEAD)
+                self._uncounted = frozenset({index[hf.LM_HEAD]})
         self._first_loss_unit = model.layers + 1
         self._num_loss_units = model.num_units - self._first_loss_unit
 
@@ -136,9 +177,12 @@ class Trainer:
         pipelined = time.perf_counter()
         if self.dp_world is not None:
             reduce_replica_gradients([p for _, p in self.named_params], self.dp_world)
+        if self._tied is not None:
+            self._tied.sum()
         grad_norm = clip_grad_norm(
             self.indexed_params, self.num_params, self.spec.training.grad_clip,
             world=self.world, contributes=self.replica == 0, mode=self.clip_mode,
+            uncounted=self._uncounted,
         )
         optimizing = time.perf_counter()
         self.optimizer.step()

@@ -98,13 +98,12 @@ class WorkersSpec(_Spec):
         return self
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoder-only, rotary, untied here
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoder-only with rotary embeddings
 # The manifest's sizes and the config.json fields that must agree with them.
 _HF_SIZES = (("layers", "num_hidden_layers"), ("d_model", "hidden_size"),
              ("heads", "num_attention_heads"), ("vocab", "vocab_size"))
 # The CEL rules' messages, which parse_job's begin with (then the particulars).
-_HF_KIND = ("model.huggingface.config: model_type must be one of " + ", ".join(HF_MODEL_TYPES)
-            + ", with untied input and output embeddings")
+_HF_KIND = "model.huggingface.config: model_type must be one of " + ", ".join(HF_MODEL_TYPES)
 _HF_SIZES_MESSAGE = ("model.huggingface: layers, dModel, heads and vocab must be the config's "
                      "num_hidden_layers, hidden_size, num_attention_heads and vocab_size, seqLen "
                      "at most its max_position_embeddings, with no mtpHeads or dropout")
@@ -115,8 +114,7 @@ class HuggingFaceSpec(_Spec):
 
     model_config = _cel(
         "has(self.config.model_type) && self.config.model_type in "
-        + str(list(HF_MODEL_TYPES)).replace(" ", "")
-        + " && !(has(self.config.tie_word_embeddings) && self.config.tie_word_embeddings == true)",
+        + str(list(HF_MODEL_TYPES)).replace(" ", ""),
         _HF_KIND,
     )
 
@@ -135,8 +133,6 @@ class HuggingFaceSpec(_Spec):
         kind = self.config.get("model_type")
         if kind not in HF_MODEL_TYPES:
             raise ValueError(f"{_HF_KIND}: model_type {kind!r} is not supported")
-        if self.config.get("tie_word_embeddings"):
-            raise ValueError(f"{_HF_KIND}: tied embeddings are not supported yet")
         return self
 
 

@@ -88,16 +88,19 @@ def test_other_families_have_the_bits_of_one_process(model_type):
     assert _run(job, 3, "1f1b", (2, 3, 1)) == _run(job, 1)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
-def test_the_units_compute_what_the_transformers_model_computes(model_type):
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}),
+    ("qwen2", {"tie_word_embeddings": True}),
+], ids=["llama", "qwen2", "qwen3", "mistral", "qwen2-tied"])
+def test_the_units_compute_what_the_transformers_model_computes(model_type, extra):
     """Tidal's units, their parameters loaded into the library's own model under the
     checkpoint's names: the same logits' loss on a micro-batch, bit for bit in fp32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    job = _job(model_type)
+    job = _job(model_type, **extra)
     spec = job.spec.model
     stage = StageModule(spec, range(spec.num_units), seed=11)
-    fields = _config(model_type)
+    fields = _config(model_type, **extra)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     config._attn_implementation = "sdpa"
     reference = AutoModelForCausalLM.from_config(config)
@@ -121,12 +124,34 @@ def test_unsupported_and_inconsistent_configs_get_one_clear_line():
 
     with pytest.raises(JobSpecError, match="model_type 'bert' is not supported$"):
         _job("bert")
-    with pytest.raises(JobSpecError, match="tied embeddings are not supported yet$"):
-        _job("llama", tie_word_embeddings=True)
     with pytest.raises(JobSpecError, match="model.layers is 4, num_hidden_layers 6$"):
         _job("llama", num_hidden_layers=6)
     with pytest.raises(JobSpecError, match="model.seqLen is 32, max_position_embeddings 16$"):
         _job("llama", max_position_embeddings=16)
+
+
+def test_tied_embeddings_are_two_copies_that_stay_equal_in_every_layout(tmp_path):
+    """A tied LM head (small Qwen) is the embedding's copy on the last stage: equal at the
+    start, given the sum of both gradients in one order, equal after training; any pipeline
+    degree, schedule and live switch gives one process's bits."""
+    from tidal_agent import checkpoint
+    from tidal_agent.hf import EMBEDDING, LM_HEAD
+
+    job = _job("qwen2", tie_word_embeddings=True)
+    reference = _run(job, 1)
+    assert _run(job, 3, "1f1b", (2, 3, 1)) == reference
+    assert _run(job, 2, "interleaved") == reference
+    assert _run(job, 4, "zb") == reference
+    gens, layouts = elastic_plan(job, [(0, 2), (3, 3)])
+    doc = job.model_dump(by_alias=True, exclude_none=True)
+    doc["spec"]["checkpoint"] = {"path": str(tmp_path), "everySteps": STEPS}
+    saved = parse_job(doc)
+    assert _bits(run_elastic(saved, gens, layouts, steps=STEPS, timeout_s=120)) == reference
+    final = checkpoint.load_parameters(job.spec.model, tmp_path / f"step-{STEPS:08d}")
+    start = StageModule(job.spec.model, range(job.spec.model.num_units), seed=TRAINING["seed"])
+    assert torch.equal(start.state_dict()[EMBEDDING], start.state_dict()[LM_HEAD])
+    assert torch.equal(final[EMBEDDING], final[LM_HEAD])
+    assert not torch.equal(final[EMBEDDING], start.state_dict()[EMBEDDING])  # it trained
 
 
 def _logits(stage: StageModule, tokens: torch.Tensor) -> torch.Tensor:
