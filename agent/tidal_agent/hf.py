@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,28 +59,56 @@ def _model(spec: ModelSpec) -> tuple[PretrainedConfig, PreTrainedModel]:
     return _skeleton(_key(spec))
 
 
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """Where a family's model keeps its parts: the inner model's attribute (``model`` or
+    ``transformer``), the embedding's modules, the decoder layers' list and the final norm."""
+
+    base: str = "model"
+    embedding: tuple[str, ...] = ("embed_tokens",)
+    layers: str = "layers"
+    norm: str = "norm"
+    rotary: bool = True
+
+
+_FAMILIES = {"gpt2": _Family("transformer", ("wte", "wpe", "drop"), "h", "ln_f", rotary=False)}
+
+
+def _family(spec: ModelSpec) -> _Family:
+    return _FAMILIES.get(spec.huggingface.config["model_type"], _Family())
+
+
+def embedding_name(spec: ModelSpec) -> str:
+    """The global name of the token embedding, which a tied LM head copies."""
+    return f"embed.{_family(spec).embedding[0]}.weight"
+
+
 def hf_name(spec: ModelSpec, name: str) -> str:
     """The Hugging Face checkpoint's name of the global parameter ``name``."""
+    family = _family(spec)
     unit, _, rest = name.partition(".")
     if unit == "embed":
-        return "model." + rest
+        return f"{family.base}.{rest}"
     if unit == "blocks":
         index, _, inner = rest.partition(".")
-        return f"model.layers.{index}." + inner.removeprefix("layer.")
+        return f"{family.base}.{family.layers}.{index}." + inner.removeprefix("layer.")
     if rest.startswith("norm."):
-        return "model." + rest
+        return f"{family.base}.{family.norm}." + rest.removeprefix("norm.")
     return rest  # lm_head.*
 
 
 def construct_unit(spec: ModelSpec, unit: int) -> Unit:
     """Placement unit ``unit`` on the meta device, its values not drawn."""
-    config, model = _model(spec)
+    _, model = _model(spec)
+    family = _family(spec)
+    base = getattr(model, family.base)
     with torch.device("meta"):
         if unit == 0:
-            return HFEmbedding(spec, unit, _fresh(model.model.embed_tokens))
+            return HFEmbedding(spec, unit, {name: _fresh(getattr(base, name))
+                                            for name in family.embedding})
         if unit <= spec.layers:
-            return HFDecoderLayer(spec, unit, _fresh(model.model.layers[unit - 1]))
-        return HFHead(spec, unit, _fresh(model.model.norm), _fresh(model.lm_head))
+            return HFDecoderLayer(spec, unit, _fresh(getattr(base, family.layers)[unit - 1]))
+        return HFHead(spec, unit, _fresh(getattr(base, family.norm)), _fresh(model.lm_head))
 
 
 def _fresh(module: nn.Module) -> nn.Module:
@@ -87,16 +116,15 @@ def _fresh(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
 
 
-EMBEDDING = "embed.embed_tokens.weight"
 LM_HEAD = "head.lm_head.weight"
 
 
 def tied(spec: ModelSpec) -> bool:
-    """Whether the config ties the LM head to the input embedding (small Qwen models do).
+    """Whether the config ties the LM head to the input embedding (GPT-2, small Qwen models).
 
-    Tidal keeps two parameters, ``EMBEDDING`` on the first stage and ``LM_HEAD`` on the last,
-    equal from the start and given the same gradient every step (the trainer sums the two
-    halves in that order), so that they stay equal through any optimizer."""
+    Tidal keeps two parameters, :func:`embedding_name` on the first stage and ``LM_HEAD`` on
+    the last, equal from the start and given the same gradient every step (the trainer sums
+    the two halves in that order), so that they stay equal through any optimizer."""
     config, _ = _model(spec)
     return bool(config.tie_word_embeddings)
 
@@ -120,7 +148,8 @@ def initialise(module: Unit, spec: ModelSpec, seed: int) -> None:
     if isinstance(module, HFHead) and tied(spec):
         embedding = construct_unit(spec, 0)
         initialise(embedding, spec, seed)
-        module.lm_head.weight.copy_(embedding.embed_tokens.weight)
+        module.lm_head.weight.copy_(embedding.get_parameter(
+            embedding_name(spec).removeprefix("embed.")))
 class WeightsError(ValueError):
     """Weights that cannot be loaded into the job's model; the message is one line."""
 
@@ -137,7 +166,7 @@ def _load_weights(module: Unit, spec: ModelSpec) -> None:
     for name, param in module.named_parameters():
         key = hf_name(spec, f"{prefix}.{name}")
         if f"{prefix}.{name}" == LM_HEAD and key not in files and tied(spec):
-            key = hf_name(spec, EMBEDDING)  # a tied checkpoint holds the embedding alone
+            key = hf_name(spec, embedding_name(spec))  # a tied checkpoint: the embedding alone
         if key not in files:
             raise WeightsError(f"{where}: no tensor {key}: the weights are not this config's")
         with safe_open(files[key], framework="pt") as shard:
@@ -182,13 +211,20 @@ def export(spec: ModelSpec, parameters: dict[str, torch.Tensor], out: str | Path
 
 
 class HFEmbedding(Unit):
-    def __init__(self, spec: ModelSpec, index: int, embed_tokens: nn.Embedding) -> None:
+    """The token embedding; GPT-2's adds learned positions (and its dropout, which is 0)."""
+
+    def __init__(self, spec: ModelSpec, index: int, parts: dict[str, nn.Module]) -> None:
         super().__init__()
         self.model, self.index = spec, index
-        self.embed_tokens = embed_tokens
+        for name, module in parts.items():
+            self.add_module(name, module)
 
     def forward(self, h: torch.Tensor | None, ctx: UnitContext):
-        return self.embed_tokens(ctx.tokens[:, : self.model.seq_len]), None
+        tokens = ctx.tokens[:, : self.model.seq_len]
+        if not hasattr(self, "wte"):
+            return self.embed_tokens(tokens), None
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        return self.drop(self.wte(tokens) + self.wpe(positions)), None
 
 
 class HFDecoderLayer(Unit):
@@ -205,9 +241,10 @@ class HFDecoderLayer(Unit):
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         config, _ = _model(self.model)
         mask = _mask(config, self.sliding, h, positions)
-        cos_sin = _rotary(_key(self.model), str(h.device))(h, positions)
-        out = self.layer(h, attention_mask=mask, position_embeddings=cos_sin,
-                         position_ids=positions)
+        extra = {}
+        if _family(self.model).rotary:
+            extra["position_embeddings"] = _rotary(_key(self.model), str(h.device))(h, positions)
+        out = self.layer(h, attention_mask=mask, position_ids=positions, **extra)
         return (out[0] if isinstance(out, tuple) else out), None
 
 

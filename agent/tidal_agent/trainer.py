@@ -163,7 +163,7 @@ class Trainer:
 
             if hf.tied(model):
                 self._tied = TiedGradients(layout, self.replica, world, dict(named), device,
-                                           first=hf.EMBEDDING, last=hf.LM_HEAD)
+                                           first=hf.embedding_name(model), last=hf.LM_HEAD)
                 self._uncounted = frozenset({index[hf.LM_HEAD]})
         self._first_loss_unit = model.layers + 1
         self._num_loss_units = model.num_units - self._first_loss_unit

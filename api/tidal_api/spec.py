@@ -98,15 +98,35 @@ class WorkersSpec(_Spec):
         return self
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoder-only with rotary embeddings
+HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")  # decoder-only causal LMs
 # The manifest's sizes and the config.json fields that must agree with them.
 _HF_SIZES = (("layers", "num_hidden_layers"), ("d_model", "hidden_size"),
              ("heads", "num_attention_heads"), ("vocab", "vocab_size"))
+# GPT-2's config.json names of the sizes.
+_HF_ALIASES = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd",
+               "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}
+# Dropout in the library's modules draws from torch's global generator, which differs with the
+# layout: these must be 0. GPT-2's default to 0.1, so its config states them.
+_GPT2_DROPOUTS = ("embd_pdrop", "resid_pdrop", "attn_pdrop")
 # The CEL rules' messages, which parse_job's begin with (then the particulars).
-_HF_KIND = "model.huggingface.config: model_type must be one of " + ", ".join(HF_MODEL_TYPES)
+_HF_KIND = ("model.huggingface.config: model_type must be one of " + ", ".join(HF_MODEL_TYPES)
+            + ", with no dropout (attention_dropout 0; GPT-2: " + ", ".join(_GPT2_DROPOUTS)
+            + " given as 0)")
+
+
+def _hf_size(config: dict[str, Any], key: str) -> Any:
+    return config.get(key, config.get(_HF_ALIASES.get(key, key)))
 _HF_SIZES_MESSAGE = ("model.huggingface: layers, dModel, heads and vocab must be the config's "
                      "num_hidden_layers, hidden_size, num_attention_heads and vocab_size, seqLen "
                      "at most its max_position_embeddings, with no mtpHeads or dropout")
+
+
+def _cel_size(key: str, missing: int = -1) -> str:
+    """CEL for the config's ``key`` (or GPT-2's name of it), ``missing`` where neither is."""
+    config = "self.huggingface.config"
+    alias = _HF_ALIASES.get(key, key)
+    return (f"(has({config}.{key}) ? int({config}.{key}) : has({config}.{alias}) ? "
+            f"int({config}.{alias}) : {missing})")
 
 
 class HuggingFaceSpec(_Spec):
@@ -114,7 +134,11 @@ class HuggingFaceSpec(_Spec):
 
     model_config = _cel(
         "has(self.config.model_type) && self.config.model_type in "
-        + str(list(HF_MODEL_TYPES)).replace(" ", ""),
+        + str(list(HF_MODEL_TYPES)).replace(" ", "")
+        + " && (!has(self.config.attention_dropout) || double(self.config.attention_dropout)"
+          " == 0.0) && (self.config.model_type != 'gpt2' || ("
+        + " && ".join(f"has(self.config.{k}) && double(self.config.{k}) == 0.0"
+                      for k in _GPT2_DROPOUTS) + "))",
         _HF_KIND,
     )
 
@@ -133,6 +157,9 @@ class HuggingFaceSpec(_Spec):
         kind = self.config.get("model_type")
         if kind not in HF_MODEL_TYPES:
             raise ValueError(f"{_HF_KIND}: model_type {kind!r} is not supported")
+        for key in ("attention_dropout", *(_GPT2_DROPOUTS if kind == "gpt2" else ())):
+            if self.config.get(key, 0.1 if key in _GPT2_DROPOUTS else 0.0) != 0:
+                raise ValueError(f"{_HF_KIND}: {key} is {self.config.get(key, 'left out')}")
         return self
 
 
@@ -148,11 +175,9 @@ class ModelSpec(_Spec):
             ' + string(self.dModel) + ")"',
         )["json_schema_extra"]["x-kubernetes-validations"],
         {"rule": "!has(self.huggingface) || ("
-                 + " && ".join(f"has(self.huggingface.config.{key}) && "
-                               f"self.huggingface.config.{key} == self.{to_camel(field)}"
+                 + " && ".join(f"{_cel_size(key)} == self.{to_camel(field)}"
                                for field, key in _HF_SIZES)
-                 + " && (!has(self.huggingface.config.max_position_embeddings) || "
-                   "self.seqLen <= self.huggingface.config.max_position_embeddings)"
+                 + f" && self.seqLen <= {_cel_size('max_position_embeddings', 1 << 62)}"
                  + " && self.mtpHeads == 0 && self.dropout == 0.0)",
          "message": _HF_SIZES_MESSAGE},
     ]})
@@ -185,12 +210,12 @@ class ModelSpec(_Spec):
             return self
         config = self.huggingface.config
         for field, key in _HF_SIZES:
-            if key not in config:
+            if _hf_size(config, key) is None:
                 raise ValueError(f"{_HF_SIZES_MESSAGE}: the config lacks {key}")
-            if config[key] != getattr(self, field):
+            if _hf_size(config, key) != getattr(self, field):
                 raise ValueError(f"{_HF_SIZES_MESSAGE}: model.{to_camel(field)} is "
-                                 f"{getattr(self, field)}, {key} {config[key]}")
-        positions = config.get("max_position_embeddings")
+                                 f"{getattr(self, field)}, {key} {_hf_size(config, key)}")
+        positions = _hf_size(config, "max_position_embeddings")
         if positions is not None and self.seq_len > positions:
             raise ValueError(f"{_HF_SIZES_MESSAGE}: model.seqLen is {self.seq_len}, "
                              f"max_position_embeddings {positions}")

@@ -24,7 +24,13 @@ TRAINING = {"steps": STEPS, "globalBatchSize": 8, "microBatchSize": 2, "lr": 3e-
             "warmupSteps": 2, "gradClip": 0.5, "seed": 3}
 
 
+GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 4, "n_head": 4,
+        "n_positions": 64, "embd_pdrop": 0, "resid_pdrop": 0, "attn_pdrop": 0}  # its own names
+
+
 def _config(model_type: str, **extra) -> dict:
+    if model_type == "gpt2":
+        return {**GPT2, **extra}
     return {"model_type": model_type, "vocab_size": 256, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
             "num_key_value_heads": 2, "max_position_embeddings": 64, **extra}
@@ -90,8 +96,8 @@ def test_other_families_have_the_bits_of_one_process(model_type):
 
 @pytest.mark.parametrize(("model_type", "extra"), [
     ("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}),
-    ("qwen2", {"tie_word_embeddings": True}),
-], ids=["llama", "qwen2", "qwen3", "mistral", "qwen2-tied"])
+    ("qwen2", {"tie_word_embeddings": True}), ("gpt2", {}),
+], ids=["llama", "qwen2", "qwen3", "mistral", "qwen2-tied", "gpt2-tied"])
 def test_the_units_compute_what_the_transformers_model_computes(model_type, extra):
     """Tidal's units, their parameters loaded into the library's own model under the
     checkpoint's names: the same logits' loss on a micro-batch, bit for bit in fp32."""
@@ -124,20 +130,28 @@ def test_unsupported_and_inconsistent_configs_get_one_clear_line():
 
     with pytest.raises(JobSpecError, match="model_type 'bert' is not supported$"):
         _job("bert")
+    config = {k: v for k, v in GPT2.items() if k != "resid_pdrop"}  # GPT-2's default: 0.1
+    with pytest.raises(JobSpecError, match="resid_pdrop is left out$"):
+        small_job("hf", model={**SIZES, "huggingface": {"config": config}}, training=TRAINING)
     with pytest.raises(JobSpecError, match="model.layers is 4, num_hidden_layers 6$"):
         _job("llama", num_hidden_layers=6)
     with pytest.raises(JobSpecError, match="model.seqLen is 32, max_position_embeddings 16$"):
         _job("llama", max_position_embeddings=16)
 
 
-def test_tied_embeddings_are_two_copies_that_stay_equal_in_every_layout(tmp_path):
-    """A tied LM head (small Qwen) is the embedding's copy on the last stage: equal at the
-    start, given the sum of both gradients in one order, equal after training; any pipeline
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("qwen2", {"tie_word_embeddings": True}), ("gpt2", {}),
+], ids=["qwen2-tied", "gpt2"])
+def test_tied_embeddings_are_two_copies_that_stay_equal_in_every_layout(tmp_path, model_type,
+                                                                        extra):
+    """A tied LM head (GPT-2, small Qwen) is the embedding's copy on the last stage: equal at
+    the start, given the sum of both gradients in one order, equal after training; any pipeline
     degree, schedule and live switch gives one process's bits."""
     from tidal_agent import checkpoint
-    from tidal_agent.hf import EMBEDDING, LM_HEAD
+    from tidal_agent.hf import LM_HEAD, embedding_name
 
-    job = _job("qwen2", tie_word_embeddings=True)
+    job = _job(model_type, **extra)
+    EMBEDDING = embedding_name(job.spec.model)  # noqa: N806
     reference = _run(job, 1)
     assert _run(job, 3, "1f1b", (2, 3, 1)) == reference
     assert _run(job, 2, "interleaved") == reference
