@@ -41,6 +41,20 @@ class ModelShape:
     top_k: int = 0
     expert_hidden: int | None = None
     shared_experts: int = 0
+    # A Hugging Face model's differences from the built-in GPT (whose values the defaults are):
+    # grouped-query attention, a head size of its own, an FFN width that is no multiple of
+    # d_model, a gated MLP (gate, up, down), RMSNorm (one vector, not two), which linear layers
+    # have biases, per-head q/k norms (Qwen3), and learned positions (their table's length).
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_hidden: int | None = None
+    gated_mlp: bool = False
+    norm_vectors: int = 2
+    qkv_bias: bool = True
+    out_bias: bool = True
+    mlp_bias: bool = True
+    qk_norm: bool = False
+    positions: int | None = -1  # -1: learned, seq_len of them; None: rotary, no table
 
     def __post_init__(self) -> None:
         for name in ("layers", "d_model", "heads", "vocab", "seq_len", "mlp_ratio"):
@@ -70,10 +84,38 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: ModelSpec) -> ModelShape:
-        """The shape of a job's (dense) model."""
-        return cls(layers=model.layers, d_model=model.d_model, heads=model.heads,
-                   vocab=model.vocab, seq_len=model.seq_len, mtp_heads=model.mtp_heads,
-                   mlp_ratio=model.mlp_ratio)
+        """The shape of a job's (dense) model: the built-in GPT's, or what a Hugging Face
+        model's config says (with the library's defaults for what it leaves out)."""
+        sizes = dict(layers=model.layers, d_model=model.d_model, heads=model.heads,
+                     vocab=model.vocab, seq_len=model.seq_len)
+        if model.huggingface is None:
+            return cls(**sizes, mtp_heads=model.mtp_heads, mlp_ratio=model.mlp_ratio)
+        config = model.huggingface.config
+        kind = config["model_type"]
+        if kind == "gpt2":  # the built-in GPT's layout, with its own FFN width and positions
+            return cls(**sizes, ffn_hidden=config.get("n_inner") or 4 * model.d_model,
+                       positions=config.get("n_positions", 1024))
+        defaults = _HF_DEFAULTS[kind]
+        attention_bias = config.get("attention_bias", False)
+        return cls(
+            **sizes,
+            kv_heads=config.get("num_key_value_heads") or model.heads,
+            head_dim=config.get("head_dim") or defaults["head_dim"] or None,
+            ffn_hidden=config.get("intermediate_size", defaults["intermediate_size"]),
+            gated_mlp=True, norm_vectors=1, positions=None,
+            qkv_bias=attention_bias or kind == "qwen2", out_bias=attention_bias,
+            mlp_bias=config.get("mlp_bias", False), qk_norm=kind == "qwen3",
+        )
+
+    @property
+    def attention_width(self) -> int:
+        """Heads times the head size: the queries' width (d_model unless set apart)."""
+        return self.heads * (self.head_dim or self.d_model // self.heads)
+
+    @property
+    def hidden(self) -> int:
+        """The dense MLP's width."""
+        return self.ffn_hidden or self.mlp_ratio * self.d_model
 
     @property
     def num_units(self) -> int:
@@ -108,14 +150,21 @@ def _expert_params(d: int, hidden: int) -> int:
     return 2 * d * hidden + hidden + d  # fc1 weight + bias, fc2 weight + bias
 
 
-def _attention_params(d: int) -> int:
-    return 4 * d * d + 4 * d  # qkv (3d^2 + 3d) + proj (d^2 + d)
+def _attention_params(shape: ModelShape) -> int:
+    """q, k, v and the output projection (4d^2 + 4d for the built-in GPT), q/k norms."""
+    d, width = shape.d_model, shape.attention_width
+    kv = (shape.kv_heads or shape.heads) * (width // shape.heads)
+    qkv = d * (width + 2 * kv) + (width + 2 * kv if shape.qkv_bias else 0)
+    out = width * d + (d if shape.out_bias else 0)
+    return qkv + out + (2 * (width // shape.heads) if shape.qk_norm else 0)
 
 
 def _mlp_params(shape: ModelShape, *, active: bool) -> int:
     d = shape.d_model
     if not shape.is_moe:
-        return _expert_params(d, shape.mlp_ratio * d)
+        if shape.gated_mlp:  # gate and up (d -> hidden), down (hidden -> d)
+            return 3 * d * shape.hidden + (2 * shape.hidden + d if shape.mlp_bias else 0)
+        return _expert_params(d, shape.hidden)
     routed = shape.top_k if active else shape.experts
     hidden = shape.expert_hidden or 0  # never 0 here: ModelShape insists on it for MoE
     router = d * shape.experts  # every token scores every expert
@@ -125,11 +174,13 @@ def _mlp_params(shape: ModelShape, *, active: bool) -> int:
 def _unit_params(shape: ModelShape, unit: int, *, active: bool) -> int:
     d = shape.d_model
     kind = shape.unit_kind(unit)
+    norm = shape.norm_vectors * d  # LayerNorm: scale and shift; RMSNorm: scale
     if kind == "embed":
-        return (shape.vocab + shape.seq_len) * d  # wte + wpe
+        positions = shape.seq_len if shape.positions == -1 else shape.positions or 0
+        return (shape.vocab + positions) * d  # token (and position) tables
     if kind == "head":
-        return 2 * d + d * shape.vocab  # LayerNorm + projection without bias
-    return 4 * d + _attention_params(d) + _mlp_params(shape, active=active)  # 2 LayerNorms
+        return norm + d * shape.vocab  # the final norm + projection without bias
+    return 2 * norm + _attention_params(shape) + _mlp_params(shape, active=active)
 
 
 def unit_params(shape: ModelShape, unit: int) -> int:
@@ -181,7 +232,7 @@ def unit_flops(shape: ModelShape, unit: int, tokens: int) -> UnitFlops:
     linear = 2.0 * unit_active_params(shape, unit) * tokens
     attention = 0.0
     if shape.unit_kind(unit) == "block":
-        attention = 2.0 * shape.seq_len * shape.d_model * tokens
+        attention = 2.0 * shape.seq_len * shape.attention_width * tokens
     return UnitFlops(
         forward=linear + attention, input_grad=linear + 2 * attention, weight_grad=linear
     )
@@ -223,11 +274,20 @@ def unit_activation_bytes(
         visits = shape.top_k + shape.shared_experts
         mlp = 1 + visits * (2 + 4 * (shape.expert_hidden or 0) / d)
     else:
-        mlp = 3 + 4 * shape.mlp_ratio  # 19 at mlp_ratio 4
+        mlp = 3 + (6 if shape.gated_mlp else 4) * shape.hidden / shape.d_model  # 19: GPT
     per_token = d * (11 + 4 + mlp)
     if not flash_attention:
         per_token += 5 * shape.heads * shape.seq_len
     return tokens * per_token * dtype_bytes / 2
+
+
+# What transformers 5.24 puts where a family's config is silent (head_dim 0: d_model / heads).
+_HF_DEFAULTS = {
+    "llama": {"intermediate_size": 11008, "head_dim": 0},
+    "mistral": {"intermediate_size": 14336, "head_dim": 0},
+    "qwen2": {"intermediate_size": 22016, "head_dim": 0},
+    "qwen3": {"intermediate_size": 22016, "head_dim": 128},
+}
 
 
 # --- FlexTrain's configurations -----------------------------------------------------------------

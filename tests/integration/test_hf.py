@@ -232,3 +232,22 @@ def test_export_and_weights_say_what_is_wrong_in_one_line(tmp_path):
     doc["spec"]["model"]["huggingface"]["weights"] = str(tmp_path)
     with pytest.raises(WeightsError, match="no model.safetensors or model.safetensors.index"):
         StageModule(parse_job(doc).spec.model, range(2), seed=0)
+
+
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("llama", {}), ("llama", {"attention_bias": True, "mlp_bias": True, "head_dim": 32}),
+    ("qwen2", {}), ("qwen3", {}), ("mistral", {"num_key_value_heads": 1}),
+    ("qwen2", {"tie_word_embeddings": True}), ("gpt2", {"n_inner": 96}), ("gpt2", {}),
+])
+def test_the_planner_counts_the_parameters_each_unit_has(model_type, extra):
+    """The cost model reads a Hugging Face model's shape from its config (grouped-query
+    attention, head size, FFN width, gated MLP, norms, biases, positions): its count of every
+    unit's parameters is what the units built by transformers hold."""
+    from tidal_agent.model import build_unit
+    from tidal_plan.modelshape import ModelShape, unit_params
+
+    spec = _job(model_type, **extra).spec.model
+    shape = ModelShape.of(spec)
+    built = [sum(p.numel() for p in build_unit(spec, u, seed=0).parameters())
+             for u in range(spec.num_units)]
+    assert [unit_params(shape, u) for u in range(spec.num_units)] == built
