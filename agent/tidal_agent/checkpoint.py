@@ -76,17 +76,23 @@ def save_state(state: Mapping[str, torch.Tensor], world: World, root: str | Path
     return target
 
 
+def _marker(directory: Path, num_params: int, verb: str) -> dict:
+    """The checkpoint's marker, checked against a model of ``num_params`` parameters."""
+    meta = json.loads((directory / MARKER).read_text())
+    if meta["num_params"] != num_params:
+        raise ValueError(f"checkpoint {directory} holds {meta['num_params']} parameters; this "
+                         f"model has {num_params}: {verb} with the model it was saved from")
+    return meta
+
+
 def load_parameters(model: ModelSpec, directory: str | Path) -> dict[str, torch.Tensor]:
     """Every parameter of a checkpoint of ``model``, in this process alone (no world): what
     ``tidal export`` writes out."""
     directory = Path(directory)
     if not (directory / MARKER).is_file():
         raise ValueError(f"{directory}: not a complete Tidal checkpoint directory")
-    meta = json.loads((directory / MARKER).read_text())
     names = global_parameters(model)
-    if meta["num_params"] != len(names):
-        raise ValueError(f"checkpoint {directory} holds {meta['num_params']} parameters; this "
-                         f"model has {len(names)}: export it with the job it was saved from")
+    _marker(directory, len(names), "export it")
     state = {name: torch.empty(shape) for name, shape, _ in names}
     with warnings.catch_warnings():  # DCP warns that it loads in one process: what is asked
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -100,12 +106,7 @@ def load(trainer: Trainer, directory: str | Path) -> int:
     Returns the number of steps done when it was saved.
     """
     directory = Path(directory)
-    meta = json.loads((directory / MARKER).read_text())
-    if meta["num_params"] != trainer.num_params:
-        raise ValueError(
-            f"checkpoint {directory} holds {meta['num_params']} parameters; this model has "
-            f"{trainer.num_params}: resume with the model it was saved from"
-        )
+    meta = _marker(directory, trainer.num_params, "resume")
     state = trainer.state_tensors()
     ensure_default_group(trainer.world)
     dcp.load(state, checkpoint_id=directory)

@@ -150,6 +150,8 @@ def initialise(module: Unit, spec: ModelSpec, seed: int) -> None:
         initialise(embedding, spec, seed)
         module.lm_head.weight.copy_(embedding.get_parameter(
             embedding_name(spec).removeprefix("embed.")))
+
+
 class WeightsError(ValueError):
     """Weights that cannot be loaded into the job's model; the message is one line."""
 
@@ -163,18 +165,23 @@ def _load_weights(module: Unit, spec: ModelSpec) -> None:
     where = Path(spec.huggingface.weights)
     files = _weight_files(where)
     prefix = unit_name(spec, module.index)
+    by_file: dict[Path, list[tuple[str, nn.Parameter]]] = {}
     for name, param in module.named_parameters():
         key = hf_name(spec, f"{prefix}.{name}")
         if f"{prefix}.{name}" == LM_HEAD and key not in files and tied(spec):
             key = hf_name(spec, embedding_name(spec))  # a tied checkpoint: the embedding alone
         if key not in files:
             raise WeightsError(f"{where}: no tensor {key}: the weights are not this config's")
-        with safe_open(files[key], framework="pt") as shard:
-            tensor = shard.get_tensor(key)
-        if tensor.shape != param.shape:
-            raise WeightsError(f"{where}: {key} has shape {list(tensor.shape)}; the config's "
-                               f"is {list(param.shape)}: the weights are not this config's")
-        param.copy_(tensor)
+        by_file.setdefault(files[key], []).append((key, param))
+    for file, wanted in by_file.items():  # each shard opened once
+        with safe_open(file, framework="pt") as shard:
+            for key, param in wanted:
+                tensor = shard.get_tensor(key)
+                if tensor.shape != param.shape:
+                    raise WeightsError(f"{where}: {key} has shape {list(tensor.shape)}; the "
+                                       f"config's is {list(param.shape)}: the weights are not "
+                                       "this config's")
+                param.copy_(tensor)
 
 
 @functools.lru_cache(maxsize=4)
@@ -232,18 +239,19 @@ class HFDecoderLayer(Unit):
         super().__init__()
         self.model, self.index = spec, index
         self.layer = layer
-        config, _ = _model(spec)
-        layer_types = getattr(config, "layer_types", None)
+        # What every forward needs, looked up once: the config, and the rotary family's key.
+        self.config, _ = _model(spec)
+        self.rotary_key = _key(spec) if _family(spec).rotary else None
+        layer_types = getattr(self.config, "layer_types", None)
         self.sliding = (layer_types[index - 1] == "sliding_attention" if layer_types
-                        else getattr(config, "sliding_window", None) is not None)
+                        else getattr(self.config, "sliding_window", None) is not None)
 
     def forward(self, h: torch.Tensor, ctx: UnitContext):
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        config, _ = _model(self.model)
-        mask = _mask(config, self.sliding, h, positions)
+        mask = _mask(self.config, self.sliding, h, positions)
         extra = {}
-        if _family(self.model).rotary:
-            extra["position_embeddings"] = _rotary(_key(self.model), str(h.device))(h, positions)
+        if self.rotary_key is not None:
+            extra["position_embeddings"] = _rotary(self.rotary_key, str(h.device))(h, positions)
         out = self.layer(h, attention_mask=mask, position_ids=positions, **extra)
         return (out[0] if isinstance(out, tuple) else out), None
 

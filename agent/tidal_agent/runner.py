@@ -1,6 +1,6 @@
 """The local runner: a training job as worker processes on this machine.
 
-The launcher hosts the job's long-lived rendezvous store and spawns one process per worker
+The launcher hosts the job's long-lived rendezvous store and starts one process per worker
 that will ever take part, joiners included (they wait in standby until their generation).
 It shows progress from the events they send and returns (and optionally writes) the JSON
 report: per step the loss (also as ``float.hex``), layout and seconds; per reconfiguration its

@@ -51,8 +51,7 @@ class TiedGradients:
     same steps and the bits do not depend on the layout."""
 
     def __init__(self, layout: Layout, replica: int, world: World,
-                 params: dict[str, torch.nn.Parameter], device: torch.device, *,
-                 first: str, last: str) -> None:
+                 params: dict[str, torch.nn.Parameter], *, first: str, last: str) -> None:
         self.world, self.first, self.last = world, params.get(first), params.get(last)
         ranks = [replica * layout.pp + layout.stage_rank(s) for s in (0, layout.num_stages - 1)]
         self.peer = ranks[1] if world.rank == ranks[0] else ranks[0]
@@ -162,7 +161,7 @@ class Trainer:
             from tidal_agent import hf
 
             if hf.tied(model):
-                self._tied = TiedGradients(layout, self.replica, world, dict(named), device,
+                self._tied = TiedGradients(layout, self.replica, world, dict(named),
                                            first=hf.embedding_name(model), last=hf.LM_HEAD)
                 self._uncounted = frozenset({index[hf.LM_HEAD]})
         self._first_loss_unit = model.layers + 1

@@ -71,10 +71,19 @@ def _cel(rule: str, message: str, message_expression: str | None = None) -> Conf
     ``messageExpression`` gives the validator's own message with the values; ``message`` is the
     fallback where the expression cannot be evaluated (and all there is without values).
     """
+    return _cel_rules(_rule(rule, message, message_expression))
+
+
+def _rule(rule: str, message: str, message_expression: str | None = None) -> dict[str, str]:
     validation = {"rule": rule, "message": message}
     if message_expression:
         validation["messageExpression"] = message_expression
-    return ConfigDict(json_schema_extra={"x-kubernetes-validations": [validation]})
+    return validation
+
+
+def _cel_rules(*validations: dict[str, str]) -> ConfigDict:
+    """A model's CEL rules, one per model validator (see :func:`_cel`)."""
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": list(validations)})
 
 
 class WorkersSpec(_Spec):
@@ -164,23 +173,26 @@ class HuggingFaceSpec(_Spec):
 
 
 class ModelSpec(_Spec):
-    """The GPT-style decoder's architecture: the one description of the job's model, which the
-    trainer builds, reshard plans and checkpoints name, and the planner counts (ModelShape.of)."""
+    """The job's model, the built-in GPT or a Hugging Face causal LM: its one description, which
+    the trainer builds, reshard plans and checkpoints name, and the planner counts
+    (ModelShape.of)."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        *_cel(
+    model_config = _cel_rules(
+        _rule(
             "self.dModel % self.heads == 0",
             "model.heads must divide model.dModel",
             '"model.heads (" + string(self.heads) + ") must divide model.dModel ("'
             ' + string(self.dModel) + ")"',
-        )["json_schema_extra"]["x-kubernetes-validations"],
-        {"rule": "!has(self.huggingface) || ("
-                 + " && ".join(f"{_cel_size(key)} == self.{to_camel(field)}"
-                               for field, key in _HF_SIZES)
-                 + f" && self.seqLen <= {_cel_size('max_position_embeddings', 1 << 62)}"
-                 + " && self.mtpHeads == 0 && self.dropout == 0.0)",
-         "message": _HF_SIZES_MESSAGE},
-    ]})
+        ),
+        _rule(
+            "!has(self.huggingface) || ("
+            + " && ".join(f"{_cel_size(key)} == self.{to_camel(field)}"
+                          for field, key in _HF_SIZES)
+            + f" && self.seqLen <= {_cel_size('max_position_embeddings', 1 << 62)}"
+            + " && self.mtpHeads == 0 && self.dropout == 0.0)",
+            _HF_SIZES_MESSAGE,
+        ),
+    )
 
     layers: int = Field(ge=1, le=MAX_LAYERS, description="Transformer blocks.")
     d_model: int = Field(ge=1, le=MAX_D_MODEL, description="Hidden size.")
