@@ -22,7 +22,10 @@ Prints JSON with the medians, ``ratio`` (restart / hot), ``transfer_bound_ratio`
 (hot / raw) and ``release_ratio`` (leavers_send / at_once release: below 1 where the swap
 costs more than the leaver's transfer).
 
-    python bench/reshard.py [--rounds 2]
+With ``--job FILE`` the model and training section are that manifest's (the 0.5B example:
+``--job examples/qwen2-0.5b.yaml --rounds 1 --no-release``), its workers 2 -> 3.
+
+    python bench/reshard.py [--rounds 2] [--job FILE] [--no-release]
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tidal_agent.model import global_parameters  # noqa: E402
@@ -51,14 +55,11 @@ from tidal_plan.layout import resolve_layout  # noqa: E402
 
 
 MODEL = {"layers": 13, "dModel": 512, "heads": 8, "vocab": 8192, "seqLen": 64}
+TRAINING = {"steps": 100, "globalBatchSize": 4, "microBatchSize": 1, "seed": 0}
 
 
 def _job(checkpoint_root: str | None = None):
-    spec = {
-        "workers": {"min": 2, "max": 8},
-        "model": MODEL,
-        "training": {"steps": 100, "globalBatchSize": 4, "microBatchSize": 1, "seed": 0},
-    }
+    spec = {"workers": {"min": 2, "max": 8}, "model": MODEL, "training": TRAINING}
     if checkpoint_root:
         spec["checkpoint"] = {"path": checkpoint_root, "everySteps": 1}
     return parse_job({"apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
@@ -143,19 +144,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a toy model: checks the bench runs")
+    parser.add_argument("--job", help="take the model and training section of this manifest")
+    parser.add_argument("--no-release", action="store_true", help="skip the 3 -> 2 shrinks")
     args = parser.parse_args()
     if args.tiny:
         MODEL.update(layers=4, dModel=32, vocab=64, seqLen=16)
+    if args.job:
+        spec = yaml.safe_load(Path(args.job).read_text())["spec"]
+        MODEL.clear()
+        MODEL.update(spec["model"])
+        TRAINING.clear()
+        TRAINING.update(spec["training"])
     params = sum(shape.numel() for _, shape, _ in global_parameters(_job().spec.model))
     print(f"model: {params / 1e6:.1f}M parameters (+ AdamW moments)", file=sys.stderr)
     switches = _alternate(args.rounds, {"hot": (hot_switch, ()),
                                         "restart": (checkpoint_restart, ())}, "pause_s")
     hot, restart = switches["hot"], switches["restart"]
-    shrinks = _alternate(args.rounds, {"at_once": (shrink, (True,)),
-                                       "leavers_send": (shrink, (False,))}, "release_s")
-    release = {name: {k: statistics.median(r[k] for r in runs)
-                      for k in ("release_s", "snapshot_s", "pause_s", "transfer_s")}
-               for name, runs in shrinks.items()}
+    release = None
+    if not args.no_release:
+        shrinks = _alternate(args.rounds, {"at_once": (shrink, (True,)),
+                                           "leavers_send": (shrink, (False,))}, "release_s")
+        release = {name: {k: statistics.median(r[k] for r in runs)
+                          for k in ("release_s", "snapshot_s", "pause_s", "transfer_s")}
+                   for name, runs in shrinks.items()}
     bytes_min = hot[0]["bytes_min"]
     raw = raw_send(bytes_min)
     hot_s = statistics.median(h["pause_s"] for h in hot)
@@ -175,10 +186,11 @@ def main() -> None:
         "raw_send_s": raw,
         "ratio": restart_s / hot_s,
         "transfer_bound_ratio": hot_s / raw,
-        "release": {"change": "3 -> 2 workers", **release},
-        "release_ratio": (release["leavers_send"]["release_s"]
-                          / release["at_once"]["release_s"]),
     }
+    if release is not None:
+        report["release"] = {"change": "3 -> 2 workers", **release}
+        report["release_ratio"] = (release["leavers_send"]["release_s"]
+                                   / release["at_once"]["release_s"])
     print(json.dumps(report, indent=2))
 
 

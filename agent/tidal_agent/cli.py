@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tidal_api import ElasticTrainingJob, JobSpecError, parse_job
 from tidal_api.layout import LayoutError, ScheduleKind
+from tidal_api.spec import MAX_MTP_HEADS, MAX_SEQ_LEN
 from tidal_plan.devices import DeviceError, load_device
 from tidal_plan.elastic import ScheduleError, elastic_plan, parse_worker_schedule
 from tidal_plan.layout import resolve_layout
@@ -36,7 +37,7 @@ def load_job(path: str | Path) -> ElasticTrainingJob:
         raise JobSpecError(f"{path}: {err.strerror}") from None
     except yaml.YAMLError as err:
         raise JobSpecError(f"{path}: not valid YAML: {str(err).splitlines()[0]}") from None
-    return parse_job(document, str(path))
+    return parse_job(document, str(path), local_files=True)
 
 
 def _parse_partition(text: str | None) -> tuple[int, ...] | None:
@@ -139,7 +140,12 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             raise click.BadParameter(str(err), param_hint="'--steps'") from None
     # torch, after the checks: bad input gets its line in a fraction of a second.
     from tidal_agent.runner import RunError, layout_report, loss_divergence, run_elastic, run_local
+    from tidal_agent.trainer import batch_source
 
+    try:  # the data's errors in one line, before any worker starts
+        batch_source(job.spec)
+    except (OSError, ValueError) as err:
+        raise click.ClickException(str(err)) from None
     tokens_per_step = job.spec.training.global_batch_size * job.spec.model.seq_len
     _console.print(f"[bold]{job.metadata.name}[/]: {steps} steps")
     how = "forced" if forced else f"planned ({planner.predictor.name})"
@@ -392,6 +398,60 @@ def data_synth(out: str, tokens: int, vocab: int, seed: int) -> None:
     except OSError as err:
         raise click.ClickException(f"{out}: {err.strerror}") from None
     _console.print(f"wrote {tokens:,} tokens (vocab {vocab}) to {out}")
+
+
+@data.command("prepare")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--tokenizer", "tokenizer_dir", required=True, type=click.Path(path_type=Path), help="A local tokenizer directory (save_pretrained's: tokenizer.json, tokenizer_config.json).")
+@click.option("--seq-len", required=True, type=click.IntRange(2, MAX_SEQ_LEN), help="The model's seqLen: samples hold seqLen + 1 (+ mtpHeads) tokens.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The directory to write (shards and meta.json).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "saved", "parquet", "jsonl", "text"]), default="auto", show_default=True, help="saved: a save_to_disk directory; auto tells it and the files' format from the path.")
+@click.option("--text-field", default="text", show_default=True, help="The column that holds each document's text.")
+@click.option("--split", help="The split of a saved DatasetDict (default: train, or its only split).")
+@click.option("--eos", help="The end-of-document token, where the tokenizer names none.")
+@click.option("--mtp-heads", type=click.IntRange(0, MAX_MTP_HEADS), default=0, show_default=True, help="The model's mtpHeads: one more token per sample each.")
+@click.option("--shard-tokens", type=click.IntRange(min=1), default=1 << 27, show_default=True, help="Tokens per shard file (rounded down to whole samples): 256 MiB of uint16.")
+@click.option("--force", is_flag=True, help="Replace what an earlier prepare wrote to --out.")
+def data_prepare(source: Path, tokenizer_dir: Path, seq_len: int, out: Path, fmt: str,
+                 text_field: str, split: str | None, eos: str | None, mtp_heads: int,
+                 shard_tokens: int, force: bool) -> None:
+    """Tokenize the local dataset SOURCE and pack it into token shards for training.data
+    {kind: prepared, path: OUT}.
+
+    SOURCE is a save_to_disk directory, or parquet, jsonl or text files (one, or a directory
+    of them; a text file's lines are its documents). Each document is followed by the
+    end-of-sequence token; the tokens are concatenated and cut into samples, and the tokens
+    after the last whole sample are dropped. Nothing is downloaded. An --out that is not empty
+    is refused, unless --force replaces an earlier prepare's output.
+    """
+    from tidal_agent.prepare import PrepareError, load_tokenizer, prepare, resolve_source
+
+    columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
+               MofNCompleteColumn(), TimeRemainingColumn())
+    try:
+        found = resolve_source(source, fmt)
+        tokenizer = load_tokenizer(tokenizer_dir, eos)
+        # A bar where someone watches; elsewhere (logs, pipes) the summary line only.
+        with Progress(*columns, console=_console, transient=True,
+                      disable=not _console.is_terminal) as progress:
+            task = progress.add_task(f"reading {source}", total=None)
+            meta = prepare(
+                found, tokenizer, out, seq_len=seq_len, mtp_heads=mtp_heads,
+                text_field=text_field, split=split, shard_tokens=shard_tokens, force=force,
+                progress=lambda done, total: progress.update(
+                    task, completed=done, total=total, description="tokenizing documents"),
+            )
+    except PrepareError as err:
+        raise click.ClickException(str(err)) from None
+    except OSError as err:
+        raise click.ClickException(f"{err.filename or out}: {err.strerror}") from None
+    _console.print(
+        f"prepared {meta['samples']:,} samples of {meta['sample_len']} tokens "
+        f"({meta['source']['documents']:,} documents, {meta['tokens']:,} tokens, "
+        f"{meta['dropped_tokens']:,} dropped after the last sample) in "
+        f"{len(meta['shards'])} {meta['dtype']} shard{'s' * (len(meta['shards']) != 1)} to "
+        f"{out}", soft_wrap=True
+    )
 
 
 if __name__ == "__main__":

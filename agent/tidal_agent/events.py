@@ -13,6 +13,7 @@ the kinds it reads: ``Listener.put`` is the one place that tells the kinds apart
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ class Ready:
 
     worker: str
     step: int | None
+    peak_rss_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,6 +158,12 @@ class Finished:
 
     worker: str
     digests: dict[int, tuple[str, str]]  # global index -> (name, sha256)
+    peak_rss_bytes: int = 0  # the process's peak resident memory
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kibibytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -164,6 +172,7 @@ class Left:
 
     worker: str
     step: int | None
+    peak_rss_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -119,7 +119,8 @@ class ControlLink:
                 delay = min(2 * delay, 10.0)
         raw = _plain(obj)
         self._take_target(raw)
-        return parse_job(raw, f"ElasticTrainingJob {self.namespace}/{self.name}")
+        return parse_job(raw, f"ElasticTrainingJob {self.namespace}/{self.name}",
+                         local_files=True)
 
     def target(self) -> Target | None:
         """The operator's current ``status.target`` as last seen."""

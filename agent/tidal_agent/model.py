@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tidal_agent.seeding import derive_seed
 from tidal_api.spec import ModelSpec
@@ -208,13 +209,21 @@ def _initialise(module: Unit, model: ModelSpec, seed: int) -> None:
 
 
 class StageModule(nn.Module):
-    """The placement units of one pipeline stage, under their global names."""
+    """The placement units of one pipeline stage, under their global names.
+
+    With ``precision="bf16"`` each unit runs under autocast (parameters, their gradients and
+    the hidden state between units stay fp32); with ``checkpointing`` each decoder layer keeps
+    only its input and recomputes its forward in the backward. Both act unit by unit, so the
+    numbers do not depend on where the stage boundaries are.
+    """
 
     def __init__(
-        self, model: ModelSpec, units: range, seed: int, *, initialise: bool = True
+        self, model: ModelSpec, units: range, seed: int, *, initialise: bool = True,
+        precision: str = "fp32", checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.model, self.units = model, units
+        self.precision, self.checkpointing = precision, checkpointing
         if initialise:
             built = {u: build_unit(model, u, seed) for u in units}
         else:  # values arrive from a checkpoint or a reshard: skip drawing them
@@ -237,10 +246,20 @@ class StageModule(nn.Module):
     def forward(self, h: torch.Tensor | None, ctx: UnitContext):
         losses: list[torch.Tensor] = []
         for unit in self._ordered:
-            h, loss = unit(h, ctx)
+            h, loss = self.run_unit(unit, h, ctx)
             if loss is not None:
                 losses.append(loss)
         return h, losses
+
+    def run_unit(self, unit: Unit, h: torch.Tensor | None, ctx: UnitContext):
+        """``unit``'s forward under the stage's precision and checkpointing."""
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16,
+                            enabled=self.precision == "bf16"):
+            if self.checkpointing and 1 <= unit.index <= self.model.layers:
+                h, loss = checkpoint(unit, h, ctx, use_reentrant=False)
+            else:
+                h, loss = unit(h, ctx)
+        return h.float(), loss  # the hidden state between units is fp32 whatever the layout
 
     @property
     def ordered_units(self) -> list[Unit]:

@@ -92,7 +92,7 @@ class UnitProfiler:
 
             started = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                h, loss = unit(h, ctx)
+                h, loss = module.run_unit(unit, h, ctx)
             self.forward_s[unit.index].append(time.perf_counter() - started)
             self.activation_bytes[unit.index] = saved[0]
             self.param_bytes[unit.index] = sum(

@@ -156,6 +156,7 @@ def run_elastic(
         "params_sha256": params_sha256(collected.digests, num_params),
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
+        "peak_rss_bytes": dict(sorted(collected.peak_rss.items())),
         "profile": collected.profile,
         # launch to every worker ready: interpreters, worlds, trainers, checkpoint load
         "startup_s": (collected.ready_at or float("nan")) - started,
@@ -206,6 +207,7 @@ class _Collected(Listener):
         self.profile: str | None = None  # where the leader wrote the online profile
         self.digests: dict[int, tuple[str, str]] = {}
         self.finished: set[str] = set()  # workers done or gone
+        self.peak_rss: dict[str, int] = {}  # per worker that said, its peak resident bytes
         self._ready: set[str] = set()
 
     def on_failed(self, event: Failed) -> None:
@@ -236,9 +238,11 @@ class _Collected(Listener):
     def on_finished(self, event: Finished) -> None:
         self.digests.update(event.digests)
         self.finished.add(event.worker)
+        self.peak_rss[event.worker] = event.peak_rss_bytes
 
     def on_left(self, event: Left) -> None:
         self.finished.add(event.worker)
+        self.peak_rss[event.worker] = event.peak_rss_bytes
 
     def on_ready(self, event: Ready) -> None:
         self._ready.add(event.worker)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tidal_agent.data import BatchSource, SyntheticCorpus, TokenFile
+from tidal_agent.data import BatchSource, PackedShards, SyntheticCorpus, TokenFile
 from tidal_agent.model import StageModule, global_parameter_names
 from tidal_agent.optim import (
     ClipMode,
@@ -36,6 +36,9 @@ def batch_source(spec: JobSpec) -> BatchSource:
     t, model = spec.training, spec.model
     if t.data.kind == "tokens":
         corpus = TokenFile(t.data.path, model.sample_len, t.seed, model.vocab)
+    elif t.data.kind == "prepared":
+        corpus = PackedShards(t.data.path, model.sample_len, t.seed, model.vocab,
+                              t.global_batch_size)
     else:
         corpus = SyntheticCorpus(model.vocab, model.sample_len, t.seed)
     return BatchSource(corpus, t.micro_batch_size)
@@ -114,7 +117,11 @@ class Trainer:
             )
         seed = spec.training.seed
         self.stages = {
-            s: StageModule(model, layout.stage_units(s), seed, initialise=initialise).to(device)
+            s: StageModule(
+                model, layout.stage_units(s), seed, initialise=initialise,
+                precision=spec.training.precision,
+                checkpointing=layout.activation_checkpointing,
+            ).to(device)
             for s in layout.rank_stages(pp_rank)
         }
         index = {name: i for i, name in enumerate(global_parameter_names(model))}

@@ -62,7 +62,8 @@ import torch
 from tidal_agent import checkpoint
 from tidal_agent.calibrate import calibrate_trainer, time_collectives
 from tidal_agent.events import (Checkpointed, EventSink, Failed, Finished, Halted, Left,
-                                Profiled, Ready, Reconfigured, Recovered, Released, Stepped)
+                                Profiled, Ready, Reconfigured, Recovered, Released, Stepped,
+                                peak_rss_bytes)
 from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile
 from tidal_agent.protocol import GenerationSource, Halt, LeaderLost, Recovery, StaticGenerations
@@ -175,7 +176,7 @@ class _Worker:
     def run(self) -> None:
         started = self.source.start(self.me)
         if started is None:  # let go from standby before any generation needed it
-            self.events.put(Left(worker=self.me, step=None))
+            self.events.put(Left(worker=self.me, step=None, peak_rss_bytes=peak_rss_bytes()))
             return
         enter: Callable[[], tuple[Trainer, World, int]] = partial(self._enter, *started)
         while True:
@@ -194,7 +195,8 @@ class _Worker:
                     self._rescue()
                     raise
             if recovery is None:  # released while the others recovered
-                self.events.put(Left(worker=self.me, step=self._step))
+                self.events.put(Left(worker=self.me, step=self._step,
+                                     peak_rss_bytes=peak_rss_bytes()))
                 return
             enter = partial(self._resume, recovery, failed)
 
@@ -239,7 +241,7 @@ class _Worker:
             if leaving:
                 log.warning("%s: asked to stop; leaving at step %d", self.me, step)
                 source.depart(self.me, step)
-                self.events.put(Left(worker=self.me, step=step))
+                self.events.put(Left(worker=self.me, step=step, peak_rss_bytes=peak_rss_bytes()))
                 return
             if following is not None and step == following.at_step:
                 trainer, world = self._switch(gen, following, trainer, world, builder, plan)
@@ -251,7 +253,8 @@ class _Worker:
                 continue
             self._train_step(trainer, step)
             step += 1
-        self.events.put(Finished(worker=self.me, digests=trainer.parameter_digests()))
+        self.events.put(Finished(worker=self.me, digests=trainer.parameter_digests(),
+                                 peak_rss_bytes=peak_rss_bytes()))
 
     def _released(self, step: int) -> None:
         """Let go by a shrink at ``step``: report how long after the end of its last step it was
@@ -262,7 +265,7 @@ class _Worker:
             release_s=None if ended is None else time.perf_counter() - ended,
             snapshot_s=self.snapshots.seconds if self.snapshots is not None else 0.0,
         ))
-        self.events.put(Left(worker=self.me, step=step))
+        self.events.put(Left(worker=self.me, step=step, peak_rss_bytes=peak_rss_bytes()))
 
     def _halt(self, trainer: Trainer, step: int) -> None:
         """Save the boundary the job halts at (every member calls it) and tell the launcher

@@ -5,8 +5,10 @@ The commands live beside what they drive: ``run``, ``plan``, ``agent`` and ``dat
 (the one-machine cluster, which runs the operator and the agents as processes) in
 ``tidal_local.cli``. The import contracts keep the agent, the operator and the doubles apart, so
 none may mount another's commands; this package, which is none of them, does, and holds nothing
-else. The images carry no doubles (the Dockerfile's build leaves doubles/ out), so ``tidal local``
-is mounted only where the one-machine cluster is installed: a source checkout.
+else but the torchx components that launch the command (``torchx_components``, imported by
+torchx only, from the ``torchx`` extra). The images carry no doubles (the Dockerfile's build
+leaves doubles/ out), so ``tidal local`` is mounted only where the one-machine cluster is
+installed: a source checkout.
 """
 
 from __future__ import annotations

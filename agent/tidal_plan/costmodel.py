@@ -80,7 +80,8 @@ class UnitCosts:
     ``state_bytes`` is what the unit keeps across steps on a GPU (parameters, gradients,
     optimizer state), ``activation_bytes`` what one micro-batch's forward keeps for its backward;
     ``grad_bytes`` are the gradients the data-parallel reduction moves, weighted by the share of
-    the ring each crosses.
+    the ring each crosses. ``recompute_bytes`` is what a checkpointed unit holds for a moment
+    while it recomputes its forward in the backward (0 for a unit that is not checkpointed).
     """
 
     forward_s: float
@@ -89,6 +90,7 @@ class UnitCosts:
     activation_bytes: float
     state_bytes: float
     allreduce_bytes: float
+    recompute_bytes: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -108,6 +110,7 @@ def unit_costs(
     *,
     dp: int = 1,
     sharding: Sharding = NO_SHARDING,
+    checkpointing: bool = False,
 ) -> UnitCosts:
     """What ``unit`` costs each GPU of its stage per micro-batch, under ``sharding``.
 
@@ -116,7 +119,9 @@ def unit_costs(
     K and V (``2 tokens d`` elements per hop, ``cp - 1`` hops; twice that backward) and expert
     parallelism sends each token's hidden state to its ``top_k`` experts and back
     (``(ep - 1) / ep`` of them remote), forward and backward, over NVLink within a node
-    and ``p2p_bandwidth`` across nodes.
+    and ``p2p_bandwidth`` across nodes. A decoder layer under activation ``checkpointing``
+    keeps only its input (fp32, as the agent passes the hidden state between units) and runs
+    its forward again in the backward, before its input gradient.
     """
     tokens = micro_batch_size * shape.seq_len / sharding.cp
     dtype = device.dtype_bytes
@@ -144,14 +149,17 @@ def unit_costs(
         + per_param * (dense / shard + local_experts / expert_shard)
     )
     allreduce = dtype * (dense * _ring(replicas) + local_experts * _ring(expert_replicas))
+    forward_s = flops.forward / rate + comm
+    activations = unit_activation_bytes(shape, unit, micro_batch_size, dtype) / sharding.cp
+    recompute = checkpointing and shape.unit_kind(unit) == "block"
     return UnitCosts(
-        forward_s=flops.forward / rate + comm,
-        input_grad_s=flops.input_grad / rate + 2 * comm,
+        forward_s=forward_s,
+        input_grad_s=flops.input_grad / rate + 2 * comm + (forward_s if recompute else 0.0),
         weight_grad_s=flops.weight_grad / rate,
-        activation_bytes=unit_activation_bytes(shape, unit, micro_batch_size, dtype)
-        / sharding.cp,
+        activation_bytes=tokens * shape.d_model * 4 if recompute else activations,
         state_bytes=state,
         allreduce_bytes=allreduce,
+        recompute_bytes=activations if recompute else 0.0,
     )
 
 
@@ -162,15 +170,25 @@ def model_unit_costs(
     device: Device,
     dp: int = 1,
     sharding: Sharding = NO_SHARDING,
+    checkpointing: bool = False,
 ) -> tuple[UnitCosts, ...]:
     """``unit_costs`` of every placement unit, in unit order.
 
     Cached: a search prices thousands of layouts over a handful of (micro-batch size, dp).
     """
     return tuple(
-        unit_costs(shape, u, micro_batch_size, device, dp=dp, sharding=sharding)
+        unit_costs(shape, u, micro_batch_size, device, dp=dp, sharding=sharding,
+                   checkpointing=checkpointing)
         for u in range(shape.num_units)
     )
+
+
+def layout_unit_costs(
+    shape: ModelShape, layout: Layout, device: Device, sharding: Sharding = NO_SHARDING
+) -> tuple[UnitCosts, ...]:
+    """``model_unit_costs`` for ``layout``'s micro-batch size, dp and checkpointing."""
+    return model_unit_costs(shape, layout.micro_batch_size, device, layout.dp, sharding,
+                            layout.activation_checkpointing)
 
 
 # --- a layout on a device ------------------------------------------------------------------------
@@ -220,7 +238,7 @@ def model_costs(
     ``p2p_latency_s``.
     """
     _check_layout(shape, layout)
-    units = model_unit_costs(shape, layout.micro_batch_size, device, layout.dp, sharding)
+    units = layout_unit_costs(shape, layout, device, sharding)
     return stage_costs(units, layout, message_seconds(shape, layout.micro_batch_size, device,
                                                       sharding))
 
@@ -283,7 +301,7 @@ def step_model(
     """Everything ``predict`` needs but the dry run (see there)."""
     _check_layout(shape, layout)
     sharding.check(shape, layout.dp)
-    units = model_unit_costs(shape, layout.micro_batch_size, device, layout.dp, sharding)
+    units = layout_unit_costs(shape, layout, device, sharding)
     comm = message_seconds(shape, layout.micro_batch_size, device, sharding)
     edges = list(itertools.accumulate(layout.partition, initial=0))
 
@@ -295,12 +313,17 @@ def step_model(
             for rank in range(layout.pp)
         ]
 
-    state = tuple(per_rank([u.state_bytes for u in units]))
+    # A rank's checkpointed units recompute one at a time: the largest one's activations.
+    recompute = [max(u.recompute_bytes for s in layout.rank_stages(rank)
+                     for u in units[edges[s]:edges[s + 1]])
+                 for rank in range(layout.pp)]
+    held = per_rank([u.state_bytes for u in units])
+    state = tuple(s + r for s, r in zip(held, recompute, strict=True))
     moved = max(per_rank([u.allreduce_bytes for u in units]))
     return StepModel(
         costs=stage_costs(units, layout, comm),
         allreduce_s=moved / device.p2p_bandwidth,
-        optimizer_s=2 * max(state) / device.memory_bandwidth,
+        optimizer_s=2 * max(held) / device.memory_bandwidth,
         state_bytes=state,
         tokens=layout.dp * layout.num_micro_batches * layout.micro_batch_size * shape.seq_len,
         memory_bytes=device.memory_bytes,

@@ -169,5 +169,6 @@ def elastic_plan(
                 num_units=first.num_units, workers=n, dp=dp, partition=first.partition,
                 micro_batch_size=first.micro_batch_size, num_micro_batches=micro_batches,
                 schedule=first.schedule, virtual_stages=first.virtual_stages,
+                activation_checkpointing=first.activation_checkpointing,
             ))
     return gens, layouts

@@ -31,6 +31,7 @@ def build_layout(
     partition: tuple[int, ...] | None = None,
     virtual_stages: int = 1,
     dp: int = 1,
+    activation_checkpointing: bool = False,
 ) -> Layout:
     """A layout of ``workers`` ranks as ``dp`` pipeline replicas, checked against the model.
 
@@ -71,6 +72,7 @@ def build_layout(
         num_micro_batches=num_micro_batches // dp,
         schedule=schedule,
         virtual_stages=virtual_stages,
+        activation_checkpointing=activation_checkpointing,
     )
 
 
@@ -82,7 +84,9 @@ def resolve_layout(
     partition: tuple[int, ...] | None = None,
 ) -> Layout:
     """The layout for ``workers`` pipeline ranks without the planner: the units split evenly
-    under the CLI's schedule, else the spec's (``auto`` is 1F1B here), or a forced partition."""
+    under the CLI's schedule, else the spec's (``auto`` is 1F1B here), or a forced partition.
+    Activation checkpointing is on where the spec says ``layers`` (``auto`` is the planner's
+    choice: off here)."""
     spec = job.spec
     kind = schedule or spec.parallelism.schedule
     if kind == "auto":
@@ -95,4 +99,5 @@ def resolve_layout(
         schedule=kind,
         partition=partition,
         virtual_stages=spec.parallelism.virtual_stages,
+        activation_checkpointing=spec.training.activation_checkpointing == "layers",
     )

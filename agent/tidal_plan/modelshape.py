@@ -21,8 +21,7 @@ class ModelShape:
     checkpoints and snapshots all read that); ``ModelShape.of`` is the one way from it to here.
     This type stays beside it for the shapes the planner prices but no job spec can describe:
     FlexTrain's MoE models (the trainer builds dense blocks only, so the spec has no expert
-    fields for every worker to refuse) with DeepSeek-V3's 129k vocabulary (a spec's is at
-    most 65536: token files are uint16).
+    fields for every worker to refuse) with DeepSeek-V3's 129k vocabulary.
 
     With ``experts > 0`` every block's MLP becomes a router (``d_model x experts``, no bias)
     plus ``experts`` routed and ``shared_experts`` always-on experts, each an MLP

@@ -47,11 +47,25 @@ def _micro_batch_sizes(spec: JobSpec) -> tuple[int, ...]:
     return tuple(sorted(s for s in sizes if batch % s == 0))
 
 
+_CHECKPOINTING = {"off": (False,), "layers": (True,), "auto": (False, True)}
+
+
+def job_device(spec: JobSpec, device: Device) -> Device:
+    """``device`` with the job's precision: parameters, gradients and activations counted in
+    2 bytes for bf16 (and an fp32 master copy), 4 for fp32."""
+    return dataclasses.replace(device, dtype_bytes=2 if spec.training.precision == "bf16" else 4)
+
+
 def job_space(
-    spec: JobSpec, device: Device, *, max_disagreement: float = DEFAULT_MAX_DISAGREEMENT
+    spec: JobSpec, device: Device, *, max_disagreement: float = DEFAULT_MAX_DISAGREEMENT,
+    profile: Profile | None = None,
 ) -> SearchSpace:
-    """What the search may vary for this job, and its thresholds."""
+    """What the search may vary for this job, and its thresholds. The profiling-based
+    predictor prices only the activation checkpointing it measured."""
     par = spec.parallelism
+    checkpointing = _CHECKPOINTING[spec.training.activation_checkpointing]
+    if profile is not None:
+        checkpointing = (profile.checkpointing,)
     free_dp = par.elastic == "dp-pp" and par.consistency == "relaxed"
     schedules = tuple(ScheduleKind) if par.schedule == "auto" else (ScheduleKind(par.schedule),)
     return SearchSpace(
@@ -64,6 +78,7 @@ def job_space(
         dp=None if free_dp else 1,
         schedules=schedules,
         virtual_stages=par.virtual_stages,
+        checkpointing=checkpointing,
         min_gain=spec.scaling.min_gain,
         max_disagreement=max_disagreement,
     )
@@ -79,7 +94,8 @@ def plan_job(
 ) -> tuple[ScaleTable, SearchResult]:
     """The job's scale table on ``device``, from its profile where one is given."""
     spec = job.spec
-    space = job_space(spec, device, max_disagreement=max_disagreement)
+    device = job_device(spec, device)
+    space = job_space(spec, device, max_disagreement=max_disagreement, profile=profile)
     modeled = ModeledPredictor(ModelShape.of(spec.model), device)
     if profile is None:
         result = search(modeled, space, on_row=on_row)
@@ -99,7 +115,8 @@ class LayoutPlanner:
     """
 
     def __init__(self, job: ElasticTrainingJob, device: Device, profile: Profile | None = None):
-        self.space = job_space(job.spec, device)
+        device = job_device(job.spec, device)
+        self.space = job_space(job.spec, device, profile=profile)
         self.micro_batch_size = job.spec.training.micro_batch_size
         self.predictor: Predictor = (
             ModeledPredictor(ModelShape.of(job.spec.model), device) if profile is None

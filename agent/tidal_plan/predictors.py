@@ -35,7 +35,8 @@ class Predictor(Protocol):
     num_units: int
     gpus_per_rank: int
 
-    def units(self, micro_batch_size: int, dp: int) -> Sequence[UnitCosts]:
+    def units(self, micro_batch_size: int, dp: int, checkpointing: bool = False
+              ) -> Sequence[UnitCosts]:
         """Per placement unit: seconds and bytes of one micro-batch on one GPU."""
         ...
 
@@ -67,8 +68,10 @@ class ModeledPredictor:
     def gpus_per_rank(self) -> int:
         return self.sharding.gpus_per_rank
 
-    def units(self, micro_batch_size: int, dp: int) -> Sequence[UnitCosts]:
-        return model_unit_costs(self.shape, micro_batch_size, self.device, dp, self.sharding)
+    def units(self, micro_batch_size: int, dp: int, checkpointing: bool = False
+              ) -> Sequence[UnitCosts]:
+        return model_unit_costs(self.shape, micro_batch_size, self.device, dp, self.sharding,
+                                checkpointing)
 
     def check(self, dp: int) -> str | None:
         try:
@@ -102,7 +105,9 @@ class ProfiledPredictor:
     def num_units(self) -> int:
         return len(self.profile.units)
 
-    def units(self, micro_batch_size: int, dp: int) -> Sequence[UnitCosts]:
+    def units(self, micro_batch_size: int, dp: int, checkpointing: bool = False
+              ) -> Sequence[UnitCosts]:
+        # The search offers only the profile's own checkpointing (job_space).
         scale = micro_batch_size / self.profile.micro_batch_size
         return [
             UnitCosts(

@@ -137,6 +137,7 @@ class Profile:
     rendezvous_s: float = 0.0  # a message's delay when its RECV is posted after its SEND
     message_work_s: float = 0.0  # CPU seconds one end of a message costs its process
     sharing: float = 1.0  # a step on cores shared by two ranks each, over processor sharing
+    checkpointing: bool = False  # the profiled layout's activation checkpointing
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -156,6 +157,7 @@ class Profile:
                 threads=data.get("threads", 1),
                 rendezvous_s=data.get("rendezvous_s", 0.0),
                 message_work_s=data.get("message_work_s", 0.0),
+                checkpointing=data.get("layout", {}).get("activation_checkpointing", False),
             )
             if "calibration" not in data:
                 return profile
@@ -281,6 +283,15 @@ def _check_units(profile: Profile, layout: Layout) -> None:
         raise ProfileError(
             f"the profile has {len(profile.units)} units; the layout {layout.num_units}"
         )
+    if layout.activation_checkpointing != profile.checkpointing:
+        raise ProfileError(
+            f"the profile was measured {_with(profile.checkpointing)} activation checkpointing; "
+            f"it cannot price {layout.describe()}, {_with(layout.activation_checkpointing)}"
+        )
+
+
+def _with(checkpointing: bool) -> str:
+    return "with" if checkpointing else "without"
 
 
 def _cores(profile: Profile) -> float:

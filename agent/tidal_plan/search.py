@@ -14,6 +14,7 @@ disagree about its speedup by more than ``max_disagreement``, or when it gains l
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ class SearchSpace:
     ``dp`` fixes the data-parallel degree (strict consistency keeps it; 1 in this runtime) or,
     with None, lets every divisor compete. ``micro_batch_sizes`` lists the allowed sizes (one
     in strict mode: the size fixes the reduction order). ``memory_bytes`` caps each GPU.
+    ``checkpointing`` lists the activation checkpointing settings a layout may take: with
+    both, a checkpointed layout wins only where it fits and the other does not (it is slower).
     """
 
     min_workers: int
@@ -42,6 +45,7 @@ class SearchSpace:
     gpus_per_worker: int = 1
     schedules: tuple[ScheduleKind, ...] = tuple(ScheduleKind)
     virtual_stages: int = 2
+    checkpointing: tuple[bool, ...] = (False,)
     min_gain: float = 0.05
     max_disagreement: float = 0.25
 
@@ -118,16 +122,15 @@ def candidates(
         if reason is not None:
             yield reason
             continue
-        for mbs in space.micro_batch_sizes:
+        for mbs, ac in itertools.product(space.micro_batch_sizes, space.checkpointing):
             if space.global_batch_size % (dp * mbs):
                 yield (f"dp={dp} x micro-batch {mbs} does not divide the global batch "
                        f"{space.global_batch_size}")
                 continue
             m = space.global_batch_size // (dp * mbs)
-            costs = predictor.units(mbs, dp)
-            for kind in space.schedules:
-                if pp == 1 and kind is not ScheduleKind.ONE_F_ONE_B:
-                    continue  # one rank: every schedule is the same sequential step
+            costs = predictor.units(mbs, dp, ac)
+            # One rank: every schedule is the same sequential step.
+            for kind in space.schedules if pp > 1 else (ScheduleKind.ONE_F_ONE_B,):
                 v = space.virtual_stages if kind is ScheduleKind.INTERLEAVED else 1
                 if kind is ScheduleKind.INTERLEAVED and (m % pp or pp * v > units or v < 2):
                     yield f"interleaved needs m % pp == 0 and pp x v <= units (dp={dp} pp={pp})"
@@ -137,7 +140,8 @@ def candidates(
                 ):
                     try:
                         yield Layout(pp=pp, dp=dp, partition=partition, micro_batch_size=mbs,
-                                     num_micro_batches=m, schedule=kind, virtual_stages=v)
+                                     num_micro_batches=m, schedule=kind, virtual_stages=v,
+                                     activation_checkpointing=ac)
                     except LayoutError as err:
                         yield str(err)
 

@@ -60,6 +60,8 @@ class Layout:
     micro_batch_size: Annotated[int, Field(ge=1, description="Samples per micro-batch.")]
     num_micro_batches: Annotated[int, Field(
         ge=1, description="Micro-batches per replica and step.")]
+    activation_checkpointing: Annotated[bool, Field(
+        description="Decoder layers recompute their forward in the backward.")] = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", ScheduleKind(self.schedule))
@@ -123,9 +125,10 @@ class Layout:
         """Short human form, e.g. ``dp1 pp3 [3,2,3] 1f1b 2x8``."""
         parts = ",".join(str(n) for n in self.partition)
         virtual = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        recompute = " ac" if self.activation_checkpointing else ""
         return (
             f"dp{self.dp} pp{self.pp} [{parts}] {self.schedule.value}{virtual} "
-            f"{self.micro_batch_size}x{self.num_micro_batches}"
+            f"{self.micro_batch_size}x{self.num_micro_batches}{recompute}"
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -139,4 +142,5 @@ class Layout:
             "num_micro_batches": self.num_micro_batches,
             "schedule": self.schedule.value,
             "virtual_stages": self.virtual_stages,
+            "activation_checkpointing": self.activation_checkpointing,
         }

@@ -17,6 +17,9 @@ rather than a job that asks for the impossible. What the schema admits but no wo
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -36,6 +39,7 @@ MAX_STEPS = 10_000_000
 MAX_LAYERS = 1024
 MAX_D_MODEL = 65536
 MAX_HEADS = 1024
+MAX_VOCAB = 262_144  # Gemma 3's; above Llama 3's 128,256 and Qwen's 151,936
 MAX_SEQ_LEN = 1_048_576
 MAX_MLP_RATIO = 64
 MAX_MTP_HEADS = 64
@@ -138,22 +142,30 @@ def _cel_size(key: str, missing: int = -1) -> str:
             f"int({config}.{alias}) : {missing})")
 
 
-class HuggingFaceSpec(_Spec):
-    """A Hugging Face causal LM, built with ``transformers`` from its config.json fields."""
+_HF_SOURCE = "model.huggingface: give config (config.json's fields) or path, not both"
 
-    model_config = _cel(
-        "has(self.config.model_type) && self.config.model_type in "
+
+class HuggingFaceSpec(_Spec):
+    """A Hugging Face causal LM, built with ``transformers`` from its config.json fields, given
+    inline or read from a local directory."""
+
+    model_config = _cel_rules(_rule("has(self.config) != has(self.path)", _HF_SOURCE), _rule(
+        "!has(self.config) || has(self.config.model_type) && self.config.model_type in "
         + str(list(HF_MODEL_TYPES)).replace(" ", "")
         + " && (!has(self.config.attention_dropout) || double(self.config.attention_dropout)"
           " == 0.0) && (self.config.model_type != 'gpt2' || ("
         + " && ".join(f"has(self.config.{k}) && double(self.config.{k}) == 0.0"
                       for k in _GPT2_DROPOUTS) + "))",
         _HF_KIND,
-    )
+    ))
 
-    config: dict[str, Any] = Field(
-        description="config.json's fields, model_type included: one of "
+    config: dict[str, Any] | None = Field(
+        None, description="config.json's fields, model_type included: one of "
         + ", ".join(HF_MODEL_TYPES) + ". Nothing is downloaded."
+    )
+    path: str | None = Field(
+        None, description="Instead of config: a local directory holding config.json, on every "
+        "worker's disk (the agent reads it; the manifest's sizes must be the config's)."
     )
     weights: str | None = Field(
         None, description="A local directory of safetensors weights as save_pretrained writes "
@@ -163,6 +175,10 @@ class HuggingFaceSpec(_Spec):
 
     @model_validator(mode="after")
     def _supported(self) -> HuggingFaceSpec:
+        if (self.config is None) == (self.path is None):
+            raise ValueError(_HF_SOURCE)
+        if self.config is None:  # checked where the directory is: parse_job(local_files=True)
+            return self
         kind = self.config.get("model_type")
         if kind not in HF_MODEL_TYPES:
             raise ValueError(f"{_HF_KIND}: model_type {kind!r} is not supported")
@@ -185,7 +201,7 @@ class ModelSpec(_Spec):
             ' + string(self.dModel) + ")"',
         ),
         _rule(
-            "!has(self.huggingface) || ("
+            "!has(self.huggingface) || !has(self.huggingface.config) || ("
             + " && ".join(f"{_cel_size(key)} == self.{to_camel(field)}"
                           for field, key in _HF_SIZES)
             + f" && self.seqLen <= {_cel_size('max_position_embeddings', 1 << 62)}"
@@ -197,7 +213,8 @@ class ModelSpec(_Spec):
     layers: int = Field(ge=1, le=MAX_LAYERS, description="Transformer blocks.")
     d_model: int = Field(ge=1, le=MAX_D_MODEL, description="Hidden size.")
     heads: int = Field(ge=1, le=MAX_HEADS, description="Attention heads; must divide dModel.")
-    vocab: int = Field(256, ge=2, le=65536, description="Vocabulary size (token files are uint16).")
+    vocab: int = Field(256, ge=2, le=MAX_VOCAB,
+                       description="Vocabulary size: every token id of the data is below it.")
     seq_len: int = Field(64, ge=2, le=MAX_SEQ_LEN, description="Tokens per sample.")
     mtp_heads: int = Field(0, ge=0, le=MAX_MTP_HEADS,
                            description="Multi-token-prediction heads after the LM head.")
@@ -218,7 +235,7 @@ class ModelSpec(_Spec):
 
     @model_validator(mode="after")
     def _huggingface_sizes(self) -> ModelSpec:
-        if self.huggingface is None:
+        if self.huggingface is None or self.huggingface.config is None:
             return self
         config = self.huggingface.config
         for field, key in _HF_SIZES:
@@ -251,20 +268,25 @@ class DataSpec(_Spec):
     """Where the training samples come from."""
 
     model_config = _cel(
-        "self.kind != 'tokens' || (has(self.path) && size(self.path) > 0)",
-        "training.data.path is required when training.data.kind is tokens",
+        "self.kind == 'synthetic' || (has(self.path) && size(self.path) > 0)",
+        "training.data.path is required when training.data.kind is tokens or prepared",
+        '"training.data.path is required when training.data.kind is " + self.kind',
     )
 
-    kind: Literal["synthetic", "tokens"] = Field(
+    kind: Literal["synthetic", "tokens", "prepared"] = Field(
         "synthetic", description="synthetic: a seeded corpus with learnable structure; "
-        "tokens: a uint16 token file (nanoGPT-style)."
+        "tokens: a uint16 token file (nanoGPT-style); prepared: token shards that "
+        "tidal data prepare packed from a local Hugging Face dataset."
     )
-    path: str | None = Field(None, description="Token file, for kind: tokens.")
+    path: str | None = Field(None, description="The token file (kind: tokens) or the prepared "
+                             "directory (kind: prepared), on every worker's disk.")
 
     @model_validator(mode="after")
-    def _path_for_tokens(self) -> DataSpec:
-        if self.kind == "tokens" and not self.path:
-            raise ValueError("training.data.path is required when training.data.kind is tokens")
+    def _path_for_files(self) -> DataSpec:
+        if self.kind != "synthetic" and not self.path:
+            raise ValueError(
+                f"training.data.path is required when training.data.kind is {self.kind}"
+            )
         return self
 
 
@@ -289,6 +311,15 @@ class TrainingSpec(_Spec):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 turns it off.")
     seed: int = Field(0, ge=0, description="Seeds initial values, data and dropout.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="fp32, or bf16 autocast with fp32 master weights, optimizer state "
+        "and gradient accumulation.",
+    )
+    activation_checkpointing: Literal["off", "layers", "auto"] = Field(
+        "off", description="Recompute each decoder layer's forward in its backward, keeping "
+        "only the layer's input: off, layers (always), or auto (the planner turns it on for "
+        "the layouts that would not fit memory without it).",
+    )
     data: DataSpec = Field(default_factory=DataSpec, description="Where the samples come from.")
 
     @model_validator(mode="after")
@@ -496,6 +527,27 @@ class ElasticTrainingJob(BaseModel):
     )
 
 
+def _read_config_file(document: dict[str, Any], source: str) -> dict[str, Any]:
+    model = (document.get("spec") or {}).get("model") or {}
+    hf = model.get("huggingface") if isinstance(model, dict) else None
+    if not isinstance(hf, dict) or not isinstance(hf.get("path"), str) or "config" in hf:
+        return document
+    file = Path(hf["path"]) / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise JobSpecError(f"{source}: model.huggingface.path: {file} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise JobSpecError(f"{source}: model.huggingface.path: cannot read {file}: "
+                           f"{getattr(err, 'strerror', None) or err}") from None
+    if not isinstance(config, dict):
+        raise JobSpecError(f"{source}: model.huggingface.path: {file} is not a JSON object")
+    read = copy.deepcopy(document)
+    read["spec"]["model"]["huggingface"] = {**{k: v for k, v in hf.items() if k != "path"},
+                                            "config": config}
+    return read
+
+
 def _first_error(err: ValidationError) -> str:
     e = err.errors()[0]
     where = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -508,10 +560,17 @@ def _first_error(err: ValidationError) -> str:
     return f"{where}: {msg}{more}"
 
 
-def parse_job(document: Any, source: str = "job") -> ElasticTrainingJob:
-    """Validate a decoded manifest; raise JobSpecError with one line on bad input."""
+def parse_job(document: Any, source: str = "job", *, local_files: bool = False
+              ) -> ElasticTrainingJob:
+    """Validate a decoded manifest; raise JobSpecError with one line on bad input.
+
+    With ``local_files`` (where the job's files are: the agent, ``tidal run``) a Hugging Face
+    ``path`` is read: its config.json replaces it, and is checked like an inline config.
+    """
     if not isinstance(document, dict):
         raise JobSpecError(f"{source}: expected an ElasticTrainingJob mapping")
+    if local_files:
+        document = _read_config_file(document, source)
     try:
         return ElasticTrainingJob.model_validate(document)
     except ValidationError as err:

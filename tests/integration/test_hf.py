@@ -2,6 +2,8 @@
 units, and the determinism contract over them: any pipeline degree, partition, schedule and
 live switch gives the float.hex losses and parameter digest of one process."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,7 +27,8 @@ TRAINING = {"steps": STEPS, "globalBatchSize": 8, "microBatchSize": 2, "lr": 3e-
 
 
 GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 4, "n_head": 4,
-        "n_positions": 64, "embd_pdrop": 0, "resid_pdrop": 0, "attn_pdrop": 0}  # its own names
+        "n_positions": 64, "embd_pdrop": 0, "resid_pdrop": 0, "attn_pdrop": 0,
+        "bos_token_id": 0, "eos_token_id": 0}  # its own names
 
 
 def _config(model_type: str, **extra) -> dict:
@@ -36,9 +39,9 @@ def _config(model_type: str, **extra) -> dict:
             "num_key_value_heads": 2, "max_position_embeddings": 64, **extra}
 
 
-def _job(model_type: str, **extra):
+def _job(model_type: str, training: dict | None = None, **extra):
     return small_job("hf", model={**SIZES, "huggingface": {"config": _config(model_type, **extra)}},
-                     training=TRAINING)
+                     training={**TRAINING, **(training or {})})
 
 
 def _bits(report):
@@ -86,6 +89,85 @@ def test_the_loss_moves(reference):
     losses, _ = reference
     values = [float.fromhex(h) for h in losses]
     assert values[-1] < values[0]
+
+
+def test_a_config_directory_is_read_where_the_job_runs(tmp_path):
+    """``huggingface.path``: the operator takes it as it is; where the job runs, config.json
+    replaces it and is checked like an inline config."""
+    import json
+
+    from tidal_agent.cli import load_job
+    from tidal_api import JobSpecError
+
+    inline = _job("llama")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(_config("llama")))
+    doc = inline.model_dump(by_alias=True, exclude_none=True)
+    doc["spec"]["model"]["huggingface"] = {"path": str(tmp_path / "model")}
+    assert parse_job(doc).spec.model.huggingface.config is None  # the operator's view
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    assert load_job(manifest).spec == inline.spec
+    doc["spec"]["model"]["layers"] = 3
+    manifest.write_text(yaml.safe_dump(doc))
+    with pytest.raises(JobSpecError, match="model.layers is 3, num_hidden_layers 4$"):
+        load_job(manifest)
+    doc["spec"]["model"]["huggingface"]["path"] = str(tmp_path / "nowhere")
+    manifest.write_text(yaml.safe_dump(doc))
+    with pytest.raises(JobSpecError, match=r"nowhere/config.json does not exist$"):
+        load_job(manifest)
+
+
+VARIANTS = {"bf16": {"precision": "bf16"}, "checkpointing": {"activationCheckpointing": "layers"}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_bf16_and_checkpointing_keep_the_bits_of_one_process(model_type, variant, llama,
+                                                             reference):
+    """bf16 autocast and activation checkpointing: pp 1-4, an uneven partition, the four
+    schedules and a live switch that turns checkpointing on and off give one process's bits.
+    bf16 changes the numbers; recomputing the forward does not."""
+    job = _job(model_type, training=VARIANTS[variant])
+    alone = _run(job, 1)
+    for workers, schedule, partition in [(2, "gpipe", None), (3, "1f1b", (1, 4, 1)),
+                                         (4, "zb", None), (2, "interleaved", None)]:
+        assert _run(job, workers, schedule, partition) == alone, (workers, schedule)
+    gens, layouts = elastic_plan(job, [(0, 1), (2, 3), (4, 2)])
+    toggled = [dataclasses.replace(lay, activation_checkpointing=not lay.activation_checkpointing)
+               if i == 1 else lay for i, lay in enumerate(layouts)]
+    assert [lay.activation_checkpointing for lay in toggled] == (
+        [True, False, True] if variant == "checkpointing" else [False, True, False])
+    assert _bits(run_elastic(job, gens, toggled, steps=STEPS, timeout_s=120)) == alone
+    if model_type == "llama":
+        assert (alone == reference) is (variant == "checkpointing")
+
+
+def test_checkpointing_keeps_only_each_layers_input():
+    """What the forward saves for the backward: with checkpointing, a decoder layer keeps its
+    input alone (the pack hook sees the checkpoint's inputs, not the layer's activations)."""
+    job = _job("llama")
+    spec = job.spec.model
+    tokens = batch_source(job.spec).micro_batch(0, 0)
+    ctx = UnitContext(seed=0, step=0, mb=0, device=torch.device("cpu"), load=lambda: tokens)
+
+    def saved_by_layers(**kwargs) -> int:
+        stage = StageModule(spec, range(1, spec.layers + 1), seed=0, **kwargs)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        h = torch.zeros(tokens.shape[0], spec.seq_len, spec.d_model, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            stage(h, ctx)
+        return total[0]
+
+    plain, kept = saved_by_layers(), saved_by_layers(checkpointing=True)
+    hidden = tokens.shape[0] * spec.seq_len * spec.d_model * 4
+    assert kept <= spec.layers * hidden < plain / 4
+    assert saved_by_layers(precision="bf16") < plain  # bf16 activations take half the bytes
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral"])

@@ -1,5 +1,6 @@
 """The model's counts (parameters, FLOPs, memory), the modeling-based predictor, devices."""
 
+import dataclasses
 import json
 import math
 
@@ -250,3 +251,48 @@ def test_bad_device_values():
     with pytest.raises(DeviceError, match=r"mfu \(1.5\)"):
         Device(name="x", peak_flops=1, memory_bytes=1, memory_bandwidth=1, p2p_bandwidth=1,
                p2p_latency_s=0, mfu=1.5)
+
+
+# --- activation checkpointing --------------------------------------------------------------------
+
+
+def test_a_checkpointed_layer_keeps_its_input_and_runs_its_forward_again():
+    plain = [unit_costs(BIG, u, 2, H100) for u in range(BIG.num_units)]
+    ac = [unit_costs(BIG, u, 2, H100, checkpointing=True) for u in range(BIG.num_units)]
+    hidden = 2 * BIG.seq_len * BIG.d_model * 4  # fp32, as the agent hands it between units
+    for unit, (p, c) in enumerate(zip(plain, ac, strict=True)):
+        if BIG.unit_kind(unit) != "block":  # embedding and head are never checkpointed
+            assert c == p
+            continue
+        assert c.activation_bytes == hidden < p.activation_bytes
+        assert c.recompute_bytes == p.activation_bytes
+        assert c.input_grad_s == pytest.approx(p.input_grad_s + p.forward_s)
+        assert (c.forward_s, c.weight_grad_s, c.state_bytes) == (
+            p.forward_s, p.weight_grad_s, p.state_bytes)
+
+
+def test_checkpointing_trades_step_time_for_memory_counting_one_recompute():
+    plain = layout_for(BIG, 4, m=8)
+    ac = dataclasses.replace(plain, activation_checkpointing=True)
+    p, c = predict(BIG, plain, H100), predict(BIG, ac, H100)
+    assert c.step_seconds > p.step_seconds
+    state = sum(unit_costs(BIG, u, 1, H100).state_bytes for u in plain.stage_units(0))
+    assert c.peak_memory_bytes[0] - state < (p.peak_memory_bytes[0] - state) / 2
+    # Rank 0 holds its state, the layers' inputs in flight, and one layer's recomputed
+    # activations at a time: more than the state and one layer's activations.
+    assert c.peak_memory_bytes[0] > state + unit_costs(BIG, 1, 1, H100).activation_bytes
+
+
+def test_the_jobs_precision_sets_the_bytes_the_planner_counts():
+    from tidal_api import parse_job
+    from tidal_plan.planner import job_device
+
+    def job(precision):
+        return parse_job({"apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
+                          "metadata": {"name": "j"},
+                          "spec": {"workers": {"min": 1, "max": 2},
+                                   "model": {"layers": 2, "dModel": 64, "heads": 4},
+                                   "training": {"precision": precision}}}).spec
+
+    assert job_device(job("bf16"), DEVICES["cpu"]).dtype_bytes == 2
+    assert job_device(job("fp32"), H100).dtype_bytes == 4

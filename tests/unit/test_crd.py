@@ -411,11 +411,16 @@ CEL_REFUSALS = [
      "training.data.path is required when training.data.kind is tokens"),
     ({"training": {"data": {"kind": "tokens", "path": ""}}},
      "training.data.path is required when training.data.kind is tokens"),
+    ({"training": {"data": {"kind": "prepared"}}},
+     "training.data.path is required when training.data.kind is prepared"),
     ({"model": {"huggingface": {"config": {**HF_SIZES, "model_type": "bert"}}}},
      spec_module._HF_KIND),
     ({"model": {"huggingface": {"config": {**HF_SIZES, "model_type": "llama",
                                            "num_hidden_layers": 5}}}},
      spec_module._HF_SIZES_MESSAGE),
+    ({"model": {"huggingface": {"config": {**HF_SIZES, "model_type": "llama"}, "path": "/m"}}},
+     spec_module._HF_SOURCE),
+    ({"model": {"huggingface": {}}}, spec_module._HF_SOURCE),
 ]
 
 
@@ -436,7 +441,7 @@ def test_every_cel_rule_has_a_refusal_case():
         stack += [node["items"]] if "items" in node else []
     broken = {rule for spec, _ in CEL_REFUSALS
               for rule, _ in _cel_failures(SCHEMA, _defaulted(SCHEMA, _doc(spec)))}
-    assert rules == broken and len(rules) == 6
+    assert rules == broken and len(rules) == 7
 
 
 @pytest.mark.parametrize(("spec", "where"), [
@@ -444,7 +449,7 @@ def test_every_cel_rule_has_a_refusal_case():
     ({"parallelism": {"schedule": "fast"}}, "spec.parallelism.schedule"),
     ({"training": {"lr": 0}}, "spec.training.lr"),
     ({"model": {"dropout": 1.0}}, "spec.model.dropout"),
-    ({"model": {"vocab": 70000}}, "spec.model.vocab"),
+    ({"model": {"vocab": 262_145}}, "spec.model.vocab"),
     ({"workers": {"min": 0}}, "spec.workers.min"),
     ({"training": {"betas": [0.9]}}, "spec.training.betas"),
     ({"gpusPerWorker": "two"}, "spec.gpusPerWorker"),
@@ -489,7 +494,7 @@ def test_what_to_train_and_on_how_many_workers_is_required(spec, where):
     training=st.fixed_dictionaries({}, optional={
         "globalBatchSize": st.integers(0, 24), "microBatchSize": st.integers(0, 8),
         "data": st.fixed_dictionaries({}, optional={
-            "kind": st.sampled_from(["synthetic", "tokens"]),
+            "kind": st.sampled_from(["synthetic", "tokens", "prepared"]),
             "path": st.sampled_from(["", "/data/train.bin", None])}),
     }),
 )

@@ -259,3 +259,30 @@ def test_checked_in_tables_are_what_the_planner_builds(name):
 def test_a_dropped_count_is_not_a_choice():
     found = choose(ModeledPredictor(SHAPE, CPU), space(dp=1), 11)
     assert isinstance(found, Dropped) and found.reason == "hyperparameters"
+
+
+def test_auto_checkpointing_turns_on_only_where_a_layout_would_not_fit():
+    """With activationCheckpointing auto the search prices layouts both ways; the slower,
+    checkpointed one wins only where the other runs out of memory."""
+    def job(setting):
+        return parse_job({"apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
+                          "metadata": {"name": "j"},
+                          "spec": {"workers": {"min": 1, "max": 3},
+                                   "model": {"layers": 6, "dModel": 256, "heads": 4,
+                                             "seqLen": 512},
+                                   "training": {"globalBatchSize": 16, "microBatchSize": 4,
+                                                "activationCheckpointing": setting}}})
+
+    off, _ = plan_job(job("off"), CPU)
+    # Room for the plain layout of 3 workers, not for one worker's (a longer 1F1B warm-up).
+    peaks = {r.workers: r.peak_memory_bytes for r in off.rows}
+    assert peaks[1] > peaks[3] * 1.05
+    tight = dataclasses.replace(CPU, memory_bytes=peaks[3] * 1.005)
+    auto, _ = plan_job(job("auto"), tight)
+    rows = {r.workers: r.layout.activation_checkpointing for r in auto.rows}
+    assert rows[1] is True and rows[3] is False
+    off, _ = plan_job(job("off"), tight)
+    assert 1 not in {r.workers for r in off.rows}
+    assert [d.reason for d in off.dropped if d.workers == 1] == ["memory"]
+    always, _ = plan_job(job("layers"), CPU)
+    assert all(r.layout.activation_checkpointing for r in always.rows)

@@ -45,6 +45,11 @@ def test_bad_input_is_one_clear_line(spec, message):
     assert "\n" not in text
 
 
+@pytest.mark.parametrize("vocab", [128_256, 151_936, 262_144])  # Llama 3, Qwen, Gemma 3
+def test_large_tokenizer_vocabularies_are_admitted(vocab):
+    assert parse_job(_doc(model={"vocab": vocab})).spec.model.vocab == vocab
+
+
 def test_not_a_mapping():
     with pytest.raises(JobSpecError, match="expected an ElasticTrainingJob mapping"):
         parse_job(["a"], "j.yaml")

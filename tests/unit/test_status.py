@@ -68,7 +68,8 @@ def test_the_status_layout_is_the_planners_layout_on_the_wire():
     wire = status_patch(layout=layout)
     assert wire == {"layout": {"dp": 2, "pp": 2, "partition": [2, 1, 1, 2],
                                "schedule": "interleaved", "virtualStages": 2,
-                               "microBatchSize": 1, "numMicroBatches": 8}}
+                               "microBatchSize": 1, "numMicroBatches": 8,
+                               "activationCheckpointing": False}}
     assert JobStatus.model_validate(wire).layout == layout
     table = ScaleTable.model_validate_json(
         (ROOT / "examples" / "scale-tables" / "flextrain-small-pp.json").read_text())
