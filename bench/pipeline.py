@@ -7,10 +7,14 @@ a whole training step: the pipeline, a gradient clip, AdamW (per tensor on both)
 loss known on every rank. Torch's side clips as torchtitan does (per-stage squares all-reduced);
 Tidal's reduces per-parameter norms in global order, which its determinism contract needs.
 
+With ``--model llama`` the model is a Hugging Face Llama of the same sizes (grouped-query
+attention, a SwiGLU MLP), built with transformers and cut into Tidal's HF units; torch's side
+runs the same units from the same initial values.
+
 Prints JSON: per PP degree the median step seconds of each side and their ratio, and ``ratio``,
 the median over every paired step of tidal/torch.
 
-    python bench/pipeline.py [--pp 2,4] [--steps 12] [--warmup 3]
+    python bench/pipeline.py [--pp 2,4] [--steps 12] [--warmup 3] [--model gpt|llama]
 """
 
 from __future__ import annotations
@@ -51,6 +55,15 @@ JOB = {
     },
 }
 
+# The same sizes as a Hugging Face Llama: 2 key-value heads, intermediate 8/3 of dModel.
+LLAMA = {**JOB["spec"]["model"], "huggingface": {"config": {
+    "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 128, "intermediate_size": 344,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+    "max_position_embeddings": 64}}}
+TINY = {"layers": 4, "dModel": 32, "vocab": 64, "seqLen": 16}
+TINY_LLAMA = {"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 86,
+              "vocab_size": 64, "max_position_embeddings": 16}
+
 
 class _TorchStage(torch.nn.Module):
     """Tidal's units of one stage behind the plain ``forward(x)`` that PipelineStage calls."""
@@ -89,7 +102,8 @@ def _worker(rank: int, pp: int, port: int, steps: int, warmup: int, job: dict, r
     head_unit = model.num_units - 1
     units = layout.stage_units(rank)
     last = rank == pp - 1
-    body = StageModule(model, range(units.start, head_unit) if last else units, t.seed)
+    body = StageModule(model, range(units.start, head_unit) if last else units, t.seed,
+                       precision=t.precision)
     head = build_unit(model, head_unit, t.seed) if last else None
     stage = PipelineStage(_TorchStage(body, first=rank == 0), rank, pp, device)
 
@@ -184,11 +198,18 @@ def main() -> None:
     parser.add_argument("--pp", default="2,4", help="PP degrees, comma-separated")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side")
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                        help="the built-in GPT or a Hugging Face Llama of its sizes")
     parser.add_argument("--tiny", action="store_true", help="a toy model: checks the bench runs")
     args = parser.parse_args()
     job = json.loads(json.dumps(JOB))
+    model = job["spec"]["model"]
+    if args.model == "llama":
+        model.update(json.loads(json.dumps(LLAMA)))
     if args.tiny:
-        job["spec"]["model"].update(layers=4, dModel=32, vocab=64, seqLen=16)
+        model.update(TINY)
+        if args.model == "llama":
+            model["huggingface"]["config"].update(TINY_LLAMA)
     os.environ["OMP_NUM_THREADS"] = "1"
     runs = []
     for pp in (int(p) for p in args.pp.split(",")):

@@ -275,8 +275,9 @@ def _print_table(table) -> None:
         view.add_column(name, justify="left" if name in ("partition", "schedule") else "right")
     for row in table.rows:
         lay = row.layout
-        schedule = lay.schedule.value + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1
-                                         else "")
+        schedule = (lay.schedule.value
+                    + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+                    + (" ac" if lay.activation_checkpointing else ""))
         view.add_row(
             str(row.workers), str(row.gpus), str(lay.dp), str(lay.pp),
             ",".join(map(str, lay.partition)), schedule,

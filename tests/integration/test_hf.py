@@ -83,6 +83,10 @@ def test_llama_switching_live_has_the_bits_of_one_process(llama, reference):
     report = run_elastic(llama, gens, layouts, steps=STEPS, timeout_s=120)
     assert [c["at_step"] for c in report["reconfigurations"]] == [2, 4]
     assert _bits(report) == reference
+    # every worker, the one the shrink let go too, says how much memory it took at most
+    peaks = report["peak_rss_bytes"]
+    assert set(peaks) == {"worker-0", "worker-1", "worker-2"}
+    assert all(100 * 2**20 < peak < 8 * 2**30 for peak in peaks.values())
 
 
 def test_the_loss_moves(reference):
@@ -238,7 +242,8 @@ def test_tied_embeddings_are_two_copies_that_stay_equal_in_every_layout(tmp_path
     assert _run(job, 3, "1f1b", (2, 3, 1)) == reference
     assert _run(job, 2, "interleaved") == reference
     assert _run(job, 4, "zb") == reference
-    gens, layouts = elastic_plan(job, [(0, 2), (3, 3)])
+    assert _run(job, 2, "gpipe") == reference
+    gens, layouts = elastic_plan(job, [(0, 2), (2, 3), (4, 2)])
     doc = job.model_dump(by_alias=True, exclude_none=True)
     doc["spec"]["checkpoint"] = {"path": str(tmp_path), "everySteps": STEPS}
     saved = parse_job(doc)

@@ -1,0 +1,187 @@
+"""Tidal's training step at pp=1 against a plain transformers training loop, side by side.
+
+Both train the same Hugging Face Llama from the same initial values on the same micro-batches:
+
+- tidal: a ``Trainer`` over a one-worker world (a gloo group of one, as a pp=1 worker has),
+  running its real step: the runtime's action list over the placement units (each under the
+  precision's autocast), the global-order gradient clip, the per-tensor AdamW and the step loss;
+- plain: ``AutoModelForCausalLM.from_config`` (sdpa attention) holding Tidal's initial values
+  (loaded by :func:`tidal_agent.hf.hf_name`), the whole forward under the same autocast,
+  cross-entropy on the fp32 logits, ``(loss / num_micro_batches).backward()`` per micro-batch
+  in micro-batch order, ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` with the
+  same groups (weight decay on matrices only) and hyperparameters, learning rate per step as
+  Tidal's (``lr_at``). It leaves ``foreach`` and ``fused`` at torch's defaults, which on CPU
+  are the per-tensor loop Tidal uses too; clip_grad_norm_ likewise.
+
+Both run in one process on one thread (``torch.set_num_threads(1)``), alternating step by step
+(Tidal first on even steps, plain first on odd ones): whatever else runs on the host slows both
+sides alike, and each side's step starts from the caches the other side's step left. Two
+processes taking turns would do the same with a handshake per step and two interpreters'
+memory, and gain nothing on one thread.
+
+Prints JSON: per precision (fp32, bf16) the median step seconds of each side, ``ratio`` (the
+median of the paired step ratios tidal/plain) and each side's first step loss (equal in fp32:
+the units compute the library's numbers); ``ratio`` at the top is the worst precision's.
+
+    python bench/hf_step.py [--precision fp32,bf16] [--steps 10] [--warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tidal_agent.hf import hf_name  # noqa: E402
+from tidal_agent.optim import lr_at  # noqa: E402
+from tidal_agent.trainer import Trainer, batch_source  # noqa: E402
+from tidal_agent.world import Rendezvous, build_world  # noqa: E402
+from tidal_api import JobSpec, parse_job  # noqa: E402
+from tidal_plan.layout import build_layout  # noqa: E402
+
+CONFIG = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 512,
+          "intermediate_size": 1376, "num_attention_heads": 8, "num_key_value_heads": 4,
+          "vocab_size": 8192, "max_position_embeddings": 256}
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 172,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 32}
+SEQ_LEN = {"full": 128, "tiny": 32}
+TRAINING = {"steps": 1000, "globalBatchSize": 8, "microBatchSize": 2, "lr": 1e-3,
+            "warmupSteps": 0, "gradClip": 1.0, "seed": 0}
+
+
+def _spec(config: dict, seq_len: int, precision: str) -> JobSpec:
+    sizes = {"layers": config["num_hidden_layers"], "dModel": config["hidden_size"],
+             "heads": config["num_attention_heads"], "vocab": config["vocab_size"],
+             "seqLen": seq_len}
+    return parse_job({
+        "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
+        "metadata": {"name": "hf-step"},
+        "spec": {"workers": {"min": 1, "max": 1},
+                 "model": {**sizes, "huggingface": {"config": config}},
+                 "training": {**TRAINING, "precision": precision}},
+    }).spec
+
+
+def _tidal(spec: JobSpec, store: dist.Store, precision: str) -> Trainer:
+    """A pp=1 worker's trainer: one stage holding every unit, in a world of one."""
+    t = spec.training
+    members = ("worker-0",)
+    world = build_world(Rendezvous(host="127.0.0.1", port=0, prefix=""), 0, members,
+                        members[0], name=f"hf-step-{precision}", store=store)
+    layout = build_layout(num_units=spec.model.num_units, workers=1,
+                          micro_batch_size=t.micro_batch_size,
+                          num_micro_batches=t.num_micro_batches, schedule="1f1b")
+    return Trainer(spec=spec, layout=layout, world=world, device=torch.device("cpu"))
+
+
+class PlainLoop:
+    """The transformers model trained the usual way, from the trainer's initial values."""
+
+    def __init__(self, spec: JobSpec, config: dict, trainer: Trainer) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        fields = dict(config)
+        hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        self.model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        loaded = self.model.load_state_dict(
+            {hf_name(spec.model, name): p.detach() for name, p in trainer.named_params},
+            strict=False)
+        if loaded.unexpected_keys or set(loaded.missing_keys) - {"model.rotary_emb.inv_freq"}:
+            raise SystemExit(f"the trainer's parameters do not fit the model: {loaded}")
+        self.spec, self.t = spec, spec.training
+        params = list(self.model.parameters())
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.t.weight_decay},
+             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=self.t.lr, betas=self.t.betas, eps=1e-8)
+        self.batches = batch_source(spec)
+
+    def step(self, step: int) -> float:
+        t, seq = self.t, self.spec.model.seq_len
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, t)
+        total = 0.0  # summed as Tidal's step loss is, in float64 and micro-batch order
+        for m in range(t.num_micro_batches):
+            tokens = self.batches.micro_batch(step, m)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.precision == "bf16"):
+                logits = self.model(input_ids=tokens[:, :seq]).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                   tokens[:, 1 : 1 + seq].reshape(-1))
+            (loss / t.num_micro_batches).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / t.num_micro_batches
+
+
+def bench_precision(config: dict, seq_len: int, precision: str, steps: int, warmup: int,
+                    store: dist.Store) -> dict:
+    spec = _spec(config, seq_len, precision)
+    tidal = _tidal(spec, store, precision)
+    plain = PlainLoop(spec, config, tidal)
+    sides = {"tidal": lambda step: tidal.step(step).loss, "plain": plain.step}
+    times: dict[str, list[float]] = {"tidal": [], "plain": []}
+    first_loss: dict[str, float] = {}
+    for step in range(warmup + steps):
+        for name in ("tidal", "plain") if step % 2 == 0 else ("plain", "tidal"):
+            started = time.perf_counter()
+            loss = sides[name](step)
+            elapsed = time.perf_counter() - started
+            first_loss.setdefault(name, loss)
+            if step >= warmup:
+                times[name].append(elapsed)
+    paired = [a / b for a, b in zip(times["tidal"], times["plain"], strict=True)]
+    return {
+        "precision": precision,
+        "tidal_median_s": statistics.median(times["tidal"]),
+        "plain_median_s": statistics.median(times["plain"]),
+        "ratio": statistics.median(paired),
+        "paired_ratios": paired,
+        "first_step_loss": first_loss,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precision", default="fp32,bf16", help="fp32, bf16 or both")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
+    parser.add_argument("--tiny", action="store_true", help="a toy model: checks the bench runs")
+    args = parser.parse_args()
+    config = {**CONFIG, **(TINY if args.tiny else {})}
+    seq_len = SEQ_LEN["tiny" if args.tiny else "full"]
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    runs = []
+    for precision in args.precision.split(","):
+        print(f"{precision}: {args.warmup} warm-up + {args.steps} timed steps per side...",
+              file=sys.stderr, flush=True)
+        runs.append(bench_precision(config, seq_len, precision, args.steps, args.warmup, store))
+        print(f"{precision}: ratio {runs[-1]['ratio']:.3f}", file=sys.stderr, flush=True)
+    report = {
+        "benchmark": "hf_step",
+        "baseline": "a plain transformers training loop, one process",
+        "config": config,
+        "seq_len": seq_len,
+        "training": {k: TRAINING[k] for k in ("globalBatchSize", "microBatchSize")},
+        "threads": torch.get_num_threads(),
+        "runs": [{k: v for k, v in r.items() if k != "paired_ratios"} for r in runs],
+        "ratio": max(r["ratio"] for r in runs),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
