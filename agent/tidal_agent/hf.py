@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,8 +56,12 @@ def _key(spec: ModelSpec) -> str:
     return json.dumps(spec.huggingface.config, sort_keys=True)
 
 
+_SKELETONS = threading.Lock()  # transformers' lazy imports are not safe across threads
+
+
 def _model(spec: ModelSpec) -> tuple[PretrainedConfig, PreTrainedModel]:
-    return _skeleton(_key(spec))
+    with _SKELETONS:
+        return _skeleton(_key(spec))
 
 
 @dataclass(frozen=True, slots=True)
