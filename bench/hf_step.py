@@ -6,12 +6,13 @@ Both train the same Hugging Face Llama from the same initial values on the same 
   running its real step: the runtime's action list over the placement units (each under the
   precision's autocast), the global-order gradient clip, the per-tensor AdamW and the step loss;
 - plain: ``AutoModelForCausalLM.from_config`` (sdpa attention) holding Tidal's initial values
-  (loaded by :func:`tidal_agent.hf.hf_name`), the whole forward under the same autocast,
-  cross-entropy on the fp32 logits, ``(loss / num_micro_batches).backward()`` per micro-batch
-  in micro-batch order, ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` with the
-  same groups (weight decay on matrices only) and hyperparameters, learning rate per step as
-  Tidal's (``lr_at``). It leaves ``foreach`` and ``fused`` at torch's defaults, which on CPU
-  are the per-tensor loop Tidal uses too; clip_grad_norm_ likewise.
+  (loaded by :func:`tidal_agent.hf.hf_name`): the whole forward under the same autocast, with
+  ``use_cache=False`` (training keeps no key-value cache), cross-entropy on the fp32 logits,
+  ``(loss / num_micro_batches).backward()`` per micro-batch in micro-batch order,
+  ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` with the same groups (weight
+  decay on matrices only), hyperparameters and per-step learning rate (``lr_at``). It leaves
+  ``foreach`` and ``fused`` at torch's defaults, which on CPU are the per-tensor loops that
+  Tidal asks for (``foreach=False``); on CUDA they would be the multi-tensor kernels.
 
 Both run in one process on one thread (``torch.set_num_threads(1)``), alternating step by step
 (Tidal first on even steps, plain first on odd ones): whatever else runs on the host slows both
@@ -20,8 +21,8 @@ processes taking turns would do the same with a handshake per step and two inter
 memory, and gain nothing on one thread.
 
 Prints JSON: per precision (fp32, bf16) the median step seconds of each side, ``ratio`` (the
-median of the paired step ratios tidal/plain) and each side's first step loss (equal in fp32:
-the units compute the library's numbers); ``ratio`` at the top is the worst precision's.
+median of the paired step ratios tidal/plain) and each side's first step loss (the same: the
+units compute the library's numbers); ``ratio`` at the top is the worst precision's.
 
     python bench/hf_step.py [--precision fp32,bf16] [--steps 10] [--warmup 2]
 """
@@ -115,7 +116,7 @@ class PlainLoop:
         for m in range(t.num_micro_batches):
             tokens = self.batches.micro_batch(step, m)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.precision == "bf16"):
-                logits = self.model(input_ids=tokens[:, :seq]).logits
+                logits = self.model(input_ids=tokens[:, :seq], use_cache=False).logits
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
                                    tokens[:, 1 : 1 + seq].reshape(-1))
             (loss / t.num_micro_batches).backward()

@@ -4,8 +4,9 @@
 Units, in order: the token embedding, each decoder layer, and the final norm with the LM head.
 Each unit holds the transformers modules themselves (``LlamaDecoderLayer``, ...), so the
 numbers are the library's; what the model's own ``forward`` does between them, every unit that
-needs it does for itself: a decoder layer computes the rotary position embeddings and the causal
-(or sliding-window) mask of its stage from the positions, which are the same on every stage.
+needs it does for itself: a decoder layer takes the rotary position embeddings and the causal
+(or sliding-window) mask from the positions, which are the same on every stage, computed once
+per shape of the hidden state (:func:`_layer_inputs`).
 Global parameter names map one to one onto the Hugging Face checkpoint's:
 ``embed.embed_tokens.*`` is ``model.embed_tokens.*``, ``blocks.{i}.layer.*`` is
 ``model.layers.{i}.*``, ``head.norm.*`` is ``model.norm.*`` and ``head.lm_head.*`` is
@@ -244,19 +245,17 @@ class HFDecoderLayer(Unit):
         super().__init__()
         self.model, self.index = spec, index
         self.layer = layer
-        # What every forward needs, looked up once: the config, and the rotary family's key.
-        self.config, _ = _model(spec)
-        self.rotary_key = _key(spec) if _family(spec).rotary else None
-        layer_types = getattr(self.config, "layer_types", None)
+        # What every forward needs, looked up once: the config's key, and the layer's kind.
+        config, _ = _model(spec)
+        self.key, self.rotary = _key(spec), _family(spec).rotary
+        layer_types = getattr(config, "layer_types", None)
         self.sliding = (layer_types[index - 1] == "sliding_attention" if layer_types
-                        else getattr(self.config, "sliding_window", None) is not None)
+                        else getattr(config, "sliding_window", None) is not None)
 
     def forward(self, h: torch.Tensor, ctx: UnitContext):
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = _mask(self.config, self.sliding, h, positions)
-        extra = {}
-        if self.rotary_key is not None:
-            extra["position_embeddings"] = _rotary(self.rotary_key, str(h.device))(h, positions)
+        positions, mask, embeddings = _layer_inputs(self.key, self.rotary, self.sliding, h.shape,
+                                                    h.dtype, h.device)
+        extra = {} if embeddings is None else {"position_embeddings": embeddings}
         out = self.layer(h, attention_mask=mask, position_ids=positions, **extra)
         return (out[0] if isinstance(out, tuple) else out), None
 
@@ -279,19 +278,27 @@ class HFHead(Unit):
 _UNIT_TYPES = (HFEmbedding, HFDecoderLayer, HFHead)
 
 
-def _mask(config: PretrainedConfig, sliding: bool, h: torch.Tensor, positions: torch.Tensor):
+@functools.lru_cache(maxsize=16)
+def _layer_inputs(key: str, rotary: bool, sliding: bool, shape: torch.Size, dtype: torch.dtype,
+                  device: torch.device):
+    """A decoder layer's inputs besides a hidden state of ``shape``: the positions, the
+    attention mask (None where sdpa's causal flag does) and, for rotary families, the position
+    embeddings (cos, sin).
+
+    They depend on nothing but the shape, dtype and device, so every layer, micro-batch and step
+    shares one copy: computed per layer, they cost as much as a small layer's forward on CPU,
+    and the library's search for packed sequences syncs with the device. Nothing writes to
+    them; they are made outside inference mode, so that a training forward may save them."""
     from transformers.masking_utils import (create_causal_mask,
                                             create_sliding_window_causal_mask)
 
-    make = create_sliding_window_causal_mask if sliding else create_causal_mask
-    return make(config=config, inputs_embeds=h, attention_mask=None, cache=None,
-                position_ids=positions)
-
-
-@functools.lru_cache(maxsize=8)
-def _rotary(key: str, device: str) -> nn.Module:
-    """The model's rotary embedding on ``device``: the skeleton's is on the meta device, where
-    its buffers hold nothing."""
     config, model = _skeleton(key)
-    with torch.device(device):
-        return type(model.model.rotary_emb)(config=config)
+    with torch.inference_mode(False), torch.device(device):
+        h = torch.empty((), dtype=dtype).expand(shape)  # read for its shape, dtype and device
+        positions = torch.arange(shape[1]).unsqueeze(0)
+        make = create_sliding_window_causal_mask if sliding else create_causal_mask
+        # No position_ids: positions are 0..T-1 in every sample, never packed sequences.
+        mask = make(config=config, inputs_embeds=h, attention_mask=None, cache=None)
+        # The skeleton's rotary embedding is on the meta device, where its buffers hold nothing.
+        embeddings = type(model.model.rotary_emb)(config=config)(h, positions) if rotary else None
+    return positions, mask, embeddings

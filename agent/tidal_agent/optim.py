@@ -69,8 +69,10 @@ def clip_grad_norm(
     if not indexed_params:
         raise ValueError("clip_grad_norm needs at least one local parameter")
     device = indexed_params[0][1].device
-    local = [torch.linalg.vector_norm(p.grad) * (0.0 if i in uncounted else 1.0)
-             for i, p in indexed_params]
+    local = [torch.linalg.vector_norm(p.grad) for _, p in indexed_params]
+    if uncounted:
+        local = [norm * (0.0 if i in uncounted else 1.0)
+                 for norm, (i, _) in zip(local, indexed_params, strict=True)]
     if mode is ClipMode.GLOBAL_ORDER:
         norms = torch.zeros(num_params, device=device)
         if contributes:

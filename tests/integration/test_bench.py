@@ -18,6 +18,9 @@ pytestmark = pytest.mark.slow
     ("script", "args", "keys"),
     [
         ("pipeline.py", ["--pp", "2", "--steps", "2", "--warmup", "1"], {"ratio", "runs"}),
+        ("pipeline.py", ["--pp", "2", "--steps", "2", "--warmup", "1", "--model", "llama"],
+         {"ratio", "runs"}),
+        ("hf_step.py", ["--steps", "2", "--warmup", "1"], {"ratio", "runs"}),
         ("reshard.py", ["--rounds", "1"],
          {"ratio", "transfer_bound_ratio", "bytes_min", "release_ratio"}),
     ],
