@@ -39,18 +39,24 @@ from tidal_plan.elastic import Generation, all_workers
 _SPAWNING = threading.Lock()  # held while a launch sets the environment its workers inherit
 
 
+_TRANSFORMERS = ("transformers.modeling_utils", "transformers.masking_utils",
+                 "transformers.models.auto.modeling_auto")
+
+
 def worker_processes(fresh: bool = False) -> mp.context.BaseContext:
     """Where worker processes come from: forks of one server process per launcher that has
     imported the worker and ``torch._dynamo`` (which torch.optim imports at an optimizer's
     first parameter group), instead of a fresh interpreter each. That saves every worker after
-    the launcher's first about 3 s of CPU (2 cores: one run of the test suite saves minutes).
+    the launcher's first about 3 s of CPU (2 cores: one run of the test suite saves minutes),
+    and 1.1 s more for a Hugging Face model (transformers' modelling base, imported once by
+    the server whatever the model: a server serves every job of its launcher).
     The server runs no tensor operation, so a fork inherits no started thread pool (OpenMP's is
     not fork-safe); each worker sets its own threads. ``fresh``: a fresh interpreter each, as
     a restarted pod has (the checkpoint-restart baseline of bench/reshard.py)."""
     if fresh:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tidal_agent.worker", "torch._dynamo"])
+    ctx.set_forkserver_preload(["tidal_agent.worker", "torch._dynamo", *_TRANSFORMERS])
     return ctx
 
 
