@@ -176,8 +176,9 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
                 timeout_s=timeout_s, resume_from=resume_from, bucket_bytes=bucket_mib << 20,
                 profile_out=profile_out,
             )
-            dp_changes = len({lay.dp for lay in layouts}) > 1
-            if dp_changes:  # relaxed: measure what the layout changes cost in loss
+            relaxed = job.spec.parallelism.consistency == "relaxed"
+            if relaxed and len({lay.dp for lay in layouts}) > 1:
+                # relaxed: measure what the layout changes cost in loss (strict costs none)
                 progress.update(task, description="static run for comparison")
                 static = run_local(job, layouts[0], steps=steps, timeout_s=timeout_s,
                                    resume_from=resume_from)

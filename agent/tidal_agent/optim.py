@@ -10,7 +10,7 @@ rest add zeros), and every rank takes the norm of the same vector.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import Enum
 
 import torch
@@ -90,20 +90,73 @@ def clip_grad_norm(
     return float(total)
 
 
-def reduce_replica_gradients(params: Sequence[torch.nn.Parameter], dp_world: World) -> None:
-    """Sum gradients over data-parallel replicas in replica order, the same bits everywhere.
+class LogicalReplicaGradients:
+    """Each logical replica's gradient apart, summed in one fixed binary tree (strict DP).
 
-    An all-reduce may add the replicas' values in an order that depends on the buffer's size and
-    chunking, which changes with the pipeline layout; gathering every replica's gradients and
-    adding them in replica order does not.
+    A step's micro-batches form ``L`` logical replicas of ``per_replica`` contiguous
+    micro-batches. Parameter gradients accumulate in ``.grad`` in micro-batch order as usual;
+    when a logical replica's last micro-batch is done (``micro_batch_done``), its gradient is
+    taken out and merged into a binary counter: two sums of the same level, left then right,
+    add into one of the next level. A physical replica runs an aligned block of ``L / dp``
+    logical replicas (both powers of two), so its counter ends with the block's subtree sum
+    (``finish``), and :func:`tree_reduce` adds the blocks in the tree's upper levels: the
+    same additions, in the same order, as one process running all ``L``.
     """
+
+    def __init__(self, stages: Mapping[int, Sequence[torch.nn.Parameter]], *,
+                 per_replica: int, mb_offset: int) -> None:
+        self.stages, self.per_replica, self.mb_offset = stages, per_replica, mb_offset
+        self._counters: dict[int, list[tuple[int, list[torch.Tensor]]]] = {
+            s: [] for s in stages}
+
+    def micro_batch_done(self, stage: int, mb: int) -> None:
+        """Micro-batch ``mb`` (this replica's numbering) of ``stage`` has its gradients."""
+        if (self.mb_offset + mb + 1) % self.per_replica:
+            return
+        params = self.stages[stage]
+        node = (0, [p.grad for p in params])
+        for p in params:
+            p.grad = None  # the next logical replica starts from nothing, as the first did
+        counter = self._counters[stage]
+        while counter and counter[-1][0] == node[0]:
+            level, left = counter.pop()
+            node = (level + 1, [a.add_(b) for a, b in zip(left, node[1], strict=True)])
+        counter.append(node)
+
+    def finish(self) -> None:
+        """Put each stage's block sum into ``.grad``."""
+        for stage, counter in self._counters.items():
+            if len(counter) != 1:
+                raise RuntimeError(f"stage {stage}: the logical replicas did not close one "
+                                   f"subtree ({[level for level, _ in counter]})")
+            (_, grads), = counter
+            for p, g in zip(self.stages[stage], grads, strict=True):
+                p.grad = g
+            counter.clear()
+
+
+def tree_reduce(params: Sequence[torch.nn.Parameter], dp_world: World) -> None:
+    """Sum the replicas' gradients in a binary tree over replica order (neighbours pairwise,
+    an odd one out carried up), the same bits on every replica and for any all-reduce."""
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    parts = dp_world.all_gather(flat)
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total.add_(part)
+    level = dp_world.all_gather(flat)
+    while len(level) > 1:
+        level = [level[i].add_(level[i + 1]) if i + 1 < len(level) else level[i]
+                 for i in range(0, len(level), 2)]
+    _scatter(params, level[0])
+
+
+def all_reduce_gradients(params: Sequence[torch.nn.Parameter], dp_world: World) -> None:
+    """Sum the replicas' gradients with the backend's all-reduce: fast, and its order of
+    additions depends on the algorithm and the buffer (relaxed consistency)."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dp_world.all_reduce(flat)
+    _scatter(params, flat)
+
+
+def _scatter(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> None:
     offset = 0
     for p in params:
         n = p.grad.numel()
-        p.grad.copy_(total[offset : offset + n].view_as(p.grad))
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
         offset += n

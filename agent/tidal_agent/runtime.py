@@ -20,6 +20,7 @@ runtime checks.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -82,8 +83,10 @@ class PipelineRuntime:
         self.mb_offset = mb_offset
         self.loss_scale = 1.0 / (layout.num_micro_batches * layout.dp)
         self.profiler: UnitProfiler | None = None  # set for the steps that are profiled
+        # Called as (stage, micro-batch) once a micro-batch's parameter gradients are in .grad.
+        self.on_gradients: Callable[[int, int], None] | None = None
         # Parameter objects never change (a reshard swaps their data), so list them once.
-        self._stage_params = {s: list(m.parameters()) for s, m in stages.items()}
+        self.stage_params = {s: list(m.parameters()) for s, m in stages.items()}
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward_full,
@@ -219,12 +222,14 @@ class PipelineRuntime:
             self._state.input_grads[(s, m)] = gx
 
     def _params(self, s: int) -> list[torch.nn.Parameter]:
-        return self._stage_params[s]
+        return self.stage_params[s]
 
     def _release(self, s: int, m: int) -> None:
         st = self._state
         for store in (st.inputs, st.outputs, st.losses, st.grad_outputs, st.roots):
             store.pop((s, m), None)
+        if self.on_gradients is not None:
+            self.on_gradients(s, m)
 
     # -- communication --------------------------------------------------------------------
 

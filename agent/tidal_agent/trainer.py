@@ -19,16 +19,19 @@ from tidal_agent.data import BatchSource, PackedShards, SyntheticCorpus, TokenFi
 from tidal_agent.model import StageModule, global_parameter_names
 from tidal_agent.optim import (
     ClipMode,
+    LogicalReplicaGradients,
+    all_reduce_gradients,
     build_adamw,
     clip_grad_norm,
     lr_at,
-    reduce_replica_gradients,
+    tree_reduce,
 )
 from tidal_agent.runtime import PipelineRuntime
 from tidal_agent.world import World
 from tidal_api import JobSpec
 from tidal_api.layout import Layout
 from tidal_plan.dryrun import plan_step
+from tidal_plan.elastic import logical_replicas
 from tidal_plan.lowering import fifo_consistent
 
 
@@ -161,6 +164,23 @@ class Trainer:
         if layout.dp > 1:
             peers = tuple(world.members[r * layout.pp + pp_rank] for r in range(layout.dp))
             self.dp_world = world.subgroup(f"dp{pp_rank}", peers)
+        # Strict consistency sums gradients over logical replicas in a fixed tree; relaxed
+        # takes the backend's all-reduce over the physical ones.
+        self.strict = spec.parallelism.consistency == "strict"
+        self._logical: LogicalReplicaGradients | None = None
+        replicas = logical_replicas(spec) if self.strict else 1
+        if self.strict and replicas == 1:  # a dp that never changes: its replicas are logical
+            replicas = layout.dp
+        if self.strict and replicas % layout.dp:
+            raise ValueError(f"{layout.describe()}: dp {layout.dp} must divide the job's "
+                             f"{replicas} logical replicas in strict mode")
+        if replicas > 1:
+            self._logical = LogicalReplicaGradients(
+                self.runtime.stage_params,
+                per_replica=spec.training.num_micro_batches // replicas,
+                mb_offset=self.replica * layout.num_micro_batches,
+            )
+            self.runtime.on_gradients = self._logical.micro_batch_done
         self.device = device
         self._tied: TiedGradients | None = None
         self._uncounted: frozenset[int] = frozenset()
@@ -181,8 +201,11 @@ class Trainer:
         started = time.perf_counter()
         loss_values = self.runtime.run_step(step, self.actions)
         pipelined = time.perf_counter()
+        if self._logical is not None:
+            self._logical.finish()
         if self.dp_world is not None:
-            reduce_replica_gradients([p for _, p in self.named_params], self.dp_world)
+            reduce = tree_reduce if self.strict else all_reduce_gradients
+            reduce([p for _, p in self.named_params], self.dp_world)
         if self._tied is not None:
             self._tied.sum()
         grad_norm = clip_grad_norm(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidal_api import ElasticTrainingJob, JobSpec, Target
-from tidal_api.layout import Layout
+from tidal_api.layout import Layout, LayoutError
 from tidal_plan.layout import build_layout, resolve_layout
 
 
@@ -122,21 +122,53 @@ def next_generation(current: Generation, target: Target, *, at_step: int) -> Gen
     return Generation(index=generation, at_step=at_step, members=members)
 
 
-def data_parallel_degree(spec: JobSpec, base_workers: int, workers: int) -> int:
-    """dp for ``workers`` when the job started with ``base_workers``.
+def logical_replicas(spec: JobSpec) -> int:
+    """L, the job's logical data-parallel replicas (``parallelism.logicalReplicas``).
 
-    Strict consistency keeps dp = 1 and scales pp. With ``elastic: dp-pp`` and ``relaxed``
-    consistency, a worker count that is a multiple k of the first one runs k data-parallel
-    replicas of the first pipeline (when the micro-batches split evenly); other counts scale pp.
+    The global batch's micro-batches split into L contiguous logical replicas; each one's
+    gradient is summed in micro-batch order, and the L sums in one fixed binary tree over the
+    logical indices, so the result does not depend on the physical dp (a power of two dividing
+    L). Unset: 1 (the plain micro-batch order), or with strict ``elastic: dp-pp`` the smallest
+    power of two at least ``workers.max`` that divides the micro-batch count (else the largest
+    that does).
+    """
+    par, micro_batches = spec.parallelism, spec.training.num_micro_batches
+    if par.logical_replicas is not None:
+        if micro_batches % par.logical_replicas:
+            raise LayoutError(spec.contradiction())
+        return par.logical_replicas
+    if par.elastic != "dp-pp" or par.consistency != "strict":
+        return 1
+    replicas = 1
+    while replicas < spec.workers.max and micro_batches % (2 * replicas) == 0:
+        replicas *= 2
+    return replicas
+
+
+def strict_data_parallel(spec: JobSpec) -> bool:
+    """Whether dp may change under strict consistency (the logical replicas' tree)."""
+    return spec.parallelism.elastic == "dp-pp" and spec.parallelism.consistency == "strict"
+
+
+def data_parallel_degree(spec: JobSpec, base_workers: int, workers: int) -> int | None:
+    """dp for ``workers`` when the job started with ``base_workers``; None: the planner's pick.
+
+    Strict ``elastic: pp`` keeps dp = 1 and scales pp; strict ``elastic: dp-pp`` lets the
+    planner choose any dp that divides the logical replicas. With ``elastic: dp-pp`` and
+    ``relaxed`` consistency, a worker count that is a multiple k of the first one runs k
+    data-parallel replicas of the first pipeline (when the micro-batches split evenly); other
+    counts scale pp.
     """
     par = spec.parallelism
+    if strict_data_parallel(spec):
+        return None
     if par.elastic != "dp-pp" or par.consistency != "relaxed" or workers % base_workers:
         return 1
     k = workers // base_workers
     return k if spec.training.num_micro_batches % k == 0 else 1
 
 
-LayoutChooser = Callable[[int, int], Layout]
+LayoutChooser = Callable[[int, int | None], Layout]
 
 
 def elastic_plan(
@@ -161,7 +193,7 @@ def elastic_plan(
         dp = data_parallel_degree(job.spec, base, n)
         if choose is not None:
             layouts.append(choose(n, dp))
-        elif dp == 1:
+        elif dp is None or dp == 1:
             layouts.append(resolve_layout(job, workers=n, schedule=kind))
         else:
             first = resolve_layout(job, workers=base, schedule=kind)

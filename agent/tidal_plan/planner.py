@@ -23,6 +23,7 @@ from tidal_api.layout import Layout, LayoutError, ScheduleKind
 from tidal_api.spec import JobSpec
 from tidal_plan.costmodel import Prediction, Sharding
 from tidal_plan.devices import Device
+from tidal_plan.elastic import logical_replicas, strict_data_parallel
 from tidal_plan.modelshape import FLEXTRAIN, FLEXTRAIN_BATCH, ModelShape
 from tidal_plan.predictors import ModeledPredictor, Predictor, ProfiledPredictor
 from tidal_plan.profiled import Profile
@@ -63,6 +64,7 @@ def job_space(
     """What the search may vary for this job, and its thresholds. The profiling-based
     predictor prices only the activation checkpointing it measured."""
     par = spec.parallelism
+    strict_dp = strict_data_parallel(spec)
     checkpointing = _CHECKPOINTING[spec.training.activation_checkpointing]
     if profile is not None:
         checkpointing = (profile.checkpointing,)
@@ -75,7 +77,8 @@ def job_space(
         global_batch_size=spec.training.global_batch_size,
         micro_batch_sizes=_micro_batch_sizes(spec),
         memory_bytes=device.memory_bytes,
-        dp=None if free_dp else 1,
+        dp=None if free_dp or strict_dp else 1,
+        logical_replicas=logical_replicas(spec) if strict_dp else 0,
         schedules=schedules,
         virtual_stages=par.virtual_stages,
         checkpointing=checkpointing,
@@ -123,7 +126,8 @@ class LayoutPlanner:
             else ProfiledPredictor(profile, job.spec.model.seq_len)
         )
 
-    def layout(self, workers: int, dp: int = 1) -> tuple[Layout, Prediction]:
+    def layout(self, workers: int, dp: int | None = 1) -> tuple[Layout, Prediction]:
+        """The best layout for ``workers`` at ``dp`` (None: any dp the job allows)."""
         space = dataclasses.replace(
             self.space, dp=dp, micro_batch_sizes=(self.micro_batch_size,),
             min_workers=workers, max_workers=workers,

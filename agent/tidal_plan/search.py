@@ -46,6 +46,7 @@ class SearchSpace:
     schedules: tuple[ScheduleKind, ...] = tuple(ScheduleKind)
     virtual_stages: int = 2
     checkpointing: tuple[bool, ...] = (False,)
+    logical_replicas: int = 0  # strict data parallelism: dp must divide it (0: no constraint)
     min_gain: float = 0.05
     max_disagreement: float = 0.25
 
@@ -111,6 +112,10 @@ def candidates(
     for dp in dps:
         if ranks % dp:
             yield f"dp={dp} does not divide {ranks} pipeline ranks"
+            continue
+        if space.logical_replicas and space.logical_replicas % dp:
+            yield (f"dp={dp} does not divide the {space.logical_replicas} logical replicas "
+                   "(strict data parallelism)")
             continue
         pp = ranks // dp
         if pp > units:

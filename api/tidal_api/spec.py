@@ -336,8 +336,18 @@ class TrainingSpec(_Spec):
         return self.global_batch_size // self.micro_batch_size
 
 
+_POWERS_OF_TWO = [1 << k for k in range(11)]
+_LOGICAL = "parallelism.logicalReplicas must be a power of two up to 1024"
+
+
 class ParallelismSpec(_Spec):
     """Which parallel degrees may change, and how strictly results must match a static run."""
+
+    model_config = _cel(
+        "!has(self.logicalReplicas) || self.logicalReplicas in "
+        + str(_POWERS_OF_TWO).replace(" ", ""),
+        _LOGICAL,
+    )
 
     elastic: Literal["pp", "dp-pp"] = Field("pp", description="Which degrees may change.")
     consistency: Literal["strict", "relaxed"] = Field(
@@ -349,6 +359,18 @@ class ParallelismSpec(_Spec):
     virtual_stages: int = Field(
         2, ge=1, description="Model chunks per rank for the interleaved schedule."
     )
+    logical_replicas: int | None = Field(
+        None, ge=1, le=1024, description="Strict data parallelism: the global batch is this many logical "
+        "replicas, whose gradients are summed in one fixed tree whatever the physical dp (which "
+        "must divide it). Default: 1, or with elastic dp-pp and strict consistency the largest "
+        "power of two that divides the micro-batch count, up to workers.max.",
+    )
+
+    @model_validator(mode="after")
+    def _power_of_two(self) -> ParallelismSpec:
+        if self.logical_replicas is not None and self.logical_replicas not in _POWERS_OF_TWO:
+            raise ValueError(f"{_LOGICAL}, not {self.logical_replicas}")
+        return self
 
 
 class ScalingSpec(_Spec):
@@ -501,6 +523,11 @@ class JobSpec(_Spec):
         if self.workers.min > units:
             return (f"workers.min ({self.workers.min}) exceeds the model's {units} placement "
                     "units (embedding, blocks, head): every pipeline stage needs at least one")
+        replicas, micro_batches = (self.parallelism.logical_replicas,
+                                   self.training.num_micro_batches)
+        if replicas is not None and micro_batches % replicas:
+            return (f"parallelism.logicalReplicas ({replicas}) must divide the "
+                    f"{micro_batches} micro-batches of a step (globalBatchSize / microBatchSize)")
         return None
 
 

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.slow
         ("pipeline.py", ["--pp", "2", "--steps", "2", "--warmup", "1", "--model", "llama"],
          {"ratio", "runs"}),
         ("hf_step.py", ["--steps", "2", "--warmup", "1"], {"ratio", "runs"}),
+        ("strict_dp.py", ["--rounds", "1", "--steps", "1", "--dp", "2"],
+         {"ratio", "runs", "logical_replicas"}),
         ("reshard.py", ["--rounds", "1"],
          {"ratio", "transfer_bound_ratio", "bytes_min", "release_ratio"}),
     ],

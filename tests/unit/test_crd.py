@@ -421,6 +421,7 @@ CEL_REFUSALS = [
     ({"model": {"huggingface": {"config": {**HF_SIZES, "model_type": "llama"}, "path": "/m"}}},
      spec_module._HF_SOURCE),
     ({"model": {"huggingface": {}}}, spec_module._HF_SOURCE),
+    ({"parallelism": {"logicalReplicas": 6}}, spec_module._LOGICAL),
 ]
 
 
@@ -441,7 +442,7 @@ def test_every_cel_rule_has_a_refusal_case():
         stack += [node["items"]] if "items" in node else []
     broken = {rule for spec, _ in CEL_REFUSALS
               for rule, _ in _cel_failures(SCHEMA, _defaulted(SCHEMA, _doc(spec)))}
-    assert rules == broken and len(rules) == 7
+    assert rules == broken and len(rules) == 8
 
 
 @pytest.mark.parametrize(("spec", "where"), [

@@ -58,3 +58,32 @@ def test_token_file_errors(tmp_path):
     write_token_file(path, np.arange(3))
     with pytest.raises(ValueError, match="a sample needs more than 4"):
         TokenFile(path, sample_len=4, seed=0, vocab=10)
+
+
+def test_logical_replicas_add_in_a_tree_not_in_sequence():
+    """Four logical replicas whose gradients are 1e8, 1, -1e8, 1 (float32): in sequence they
+    add to 1, in the tree (1e8 + 1) + (-1e8 + 1) to 0. A block of two, as one of two data-parallel
+    replicas runs it, ends with its own subtree."""
+    import torch
+
+    from tidal_agent.optim import LogicalReplicaGradients
+
+    values = [1e8, 1.0, -1e8, 1.0]
+    param = torch.nn.Parameter(torch.zeros(1))
+    whole = LogicalReplicaGradients({0: [param]}, per_replica=2, mb_offset=0)
+    for mb in range(8):  # two micro-batches per logical replica, half the value each
+        grad = torch.tensor([values[mb // 2] / 2])
+        param.grad = grad if param.grad is None else param.grad + grad
+        whole.micro_batch_done(0, mb)
+    whole.finish()
+    assert param.grad.item() == 0.0
+    assert sum(torch.tensor([v], dtype=torch.float32) for v in values).item() == 1.0
+
+    param.grad = None
+    second = LogicalReplicaGradients({0: [param]}, per_replica=2, mb_offset=4)
+    for mb in range(4):  # the second replica's micro-batches 4..7: logical replicas 2 and 3
+        grad = torch.tensor([values[2 + mb // 2] / 2])
+        param.grad = grad if param.grad is None else param.grad + grad
+        second.micro_batch_done(0, mb)
+    second.finish()
+    assert param.grad.item() == -1e8  # -1e8 + 1 rounds to -1e8

@@ -286,3 +286,29 @@ def test_auto_checkpointing_turns_on_only_where_a_layout_would_not_fit():
     assert [d.reason for d in off.dropped if d.workers == 1] == ["memory"]
     always, _ = plan_job(job("layers"), CPU)
     assert all(r.layout.activation_checkpointing for r in always.rows)
+
+
+def test_strict_dp_pp_lets_dp_vary_over_the_divisors_of_the_logical_replicas():
+    def job(**parallelism):
+        return parse_job({"apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
+                          "metadata": {"name": "j"},
+                          "spec": {"workers": {"min": 1, "max": 6},
+                                   "model": {"layers": 6, "dModel": 64, "heads": 4},
+                                   "training": {"globalBatchSize": 24, "microBatchSize": 1},
+                                   "parallelism": {"elastic": "dp-pp", **parallelism}}})
+
+    strict = job_space(job().spec, CPU)
+    assert strict.dp is None and strict.micro_batch_sizes == (1,)
+    assert strict.logical_replicas == 8  # the smallest power of two >= 6 dividing 24
+    four = job(logicalReplicas=4)
+    assert job_space(four.spec, CPU).logical_replicas == 4
+    table, result = plan_job(four, CPU)
+    assert {r.layout.dp for r in table.rows} <= {1, 2, 4}
+    reasons = [r for r in candidates(ModeledPredictor(ModelShape.of(four.spec.model), CPU),
+                                     job_space(four.spec, CPU), 6) if isinstance(r, str)]
+    assert "dp=3 does not divide the 4 logical replicas (strict data parallelism)" in reasons
+    assert job(logicalReplicas=16).spec.contradiction() == (
+        "parallelism.logicalReplicas (16) must divide the 24 micro-batches of a step "
+        "(globalBatchSize / microBatchSize)")
+    relaxed = job_space(job(consistency="relaxed").spec, CPU)
+    assert relaxed.dp is None and relaxed.logical_replicas == 0
