@@ -94,12 +94,13 @@ class LogicalReplicaGradients:
     """Each logical replica's gradient apart, summed in one fixed binary tree (strict DP).
 
     A step's micro-batches form ``L`` logical replicas of ``per_replica`` contiguous
-    micro-batches. Parameter gradients accumulate in ``.grad`` in micro-batch order as usual;
-    when a logical replica's last micro-batch is done (``micro_batch_done``), its gradient is
+    micro-batches. Parameter gradients accumulate in ``.grad`` in micro-batch order, each
+    logical replica's from none (its first micro-batch's gradient is taken as it is, as a
+    step's first is); when its last micro-batch is done (``micro_batch_done``), its gradient is
     taken out and merged into a binary counter: two sums of the same level, left then right,
     add into one of the next level. A physical replica runs an aligned block of ``L / dp``
     logical replicas (both powers of two), so its counter ends with the block's subtree sum
-    (``finish``), and :func:`tree_reduce` adds the blocks in the tree's upper levels: the
+    (``finish``), and :class:`GradientReducer` adds the blocks in the tree's upper levels: the
     same additions, in the same order, as one process running all ``L``.
     """
 
@@ -116,11 +117,13 @@ class LogicalReplicaGradients:
         params = self.stages[stage]
         node = (0, [p.grad for p in params])
         for p in params:
-            p.grad = None  # the next logical replica starts from nothing, as the first did
+            p.grad = None
         counter = self._counters[stage]
         while counter and counter[-1][0] == node[0]:
             level, left = counter.pop()
-            node = (level + 1, [a.add_(b) for a, b in zip(left, node[1], strict=True)])
+            for a, b in zip(left, node[1], strict=True):
+                a.add_(b)
+            node = (level + 1, left)
         counter.append(node)
 
     def finish(self) -> None:
@@ -135,28 +138,58 @@ class LogicalReplicaGradients:
             counter.clear()
 
 
-def tree_reduce(params: Sequence[torch.nn.Parameter], dp_world: World) -> None:
-    """Sum the replicas' gradients in a binary tree over replica order (neighbours pairwise,
-    an odd one out carried up), the same bits on every replica and for any all-reduce."""
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    level = dp_world.all_gather(flat)
-    while len(level) > 1:
-        level = [level[i].add_(level[i + 1]) if i + 1 < len(level) else level[i]
-                 for i in range(0, len(level), 2)]
-    _scatter(params, level[0])
+class GradientReducer:
+    """Sums the data-parallel replicas' gradients, through one flat buffer kept across steps.
 
+    ``strict``: in a binary tree over replica order, ((r0 + r1) + (r2 + r3)) and so on, the
+    same bits on every replica whatever the backend's all-reduce algorithm. With dp a power of
+    two the tree runs as recursive doubling: at level ``i`` each replica all-reduces with the
+    one whose index differs in bit ``i``. An all-reduce of two operands adds them once, and
+    a + b is b + a bit for bit, so no algorithm can change the result, while each level moves
+    what a two-party all-reduce moves. Another dp (a fixed one: its replicas are the logical
+    ones) falls back to an all-to-all of chunks, each added in the tree where it lands, then
+    gathered. Otherwise (relaxed) one all-reduce over all replicas: its order of additions
+    depends on the algorithm and the buffer.
+    """
 
-def all_reduce_gradients(params: Sequence[torch.nn.Parameter], dp_world: World) -> None:
-    """Sum the replicas' gradients with the backend's all-reduce: fast, and its order of
-    additions depends on the algorithm and the buffer (relaxed consistency)."""
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dp_world.all_reduce(flat)
-    _scatter(params, flat)
+    def __init__(self, params: Sequence[torch.nn.Parameter], dp_world: World, *,
+                 strict: bool) -> None:
+        self.params, self.world, self.strict = list(params), dp_world, strict
+        n, dp, rank = sum(p.numel() for p in self.params), dp_world.size, dp_world.rank
+        self.pairs: list[World] = []
+        self.chunk = n
+        if strict and dp & (dp - 1) == 0:
+            for level in range(dp.bit_length() - 1):
+                a, b = sorted((rank, rank ^ (1 << level)))
+                members = (dp_world.members[a], dp_world.members[b])
+                self.pairs.append(dp_world.subgroup(f"tree{level}.{a}", members))
+        elif strict:
+            self.chunk = -(-n // dp)
+        like = self.params[0]
+        size = dp * self.chunk if strict and not self.pairs else n
+        self.flat = torch.zeros(size, dtype=like.dtype, device=like.device)
+        self.gathered = torch.empty_like(self.flat) if strict and not self.pairs else None
 
-
-def _scatter(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-        offset += n
+    def __call__(self) -> None:
+        offset = 0
+        for p in self.params:
+            self.flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        total = self.flat
+        if self.pairs:
+            for pair in self.pairs:
+                pair.all_reduce(self.flat)
+        elif self.strict:
+            dp = self.world.size
+            level = list(self.world.all_to_all(self.flat).view(dp, self.chunk))
+            while len(level) > 1:
+                level = [level[i].add_(level[i + 1]) if i + 1 < len(level) else level[i]
+                         for i in range(0, len(level), 2)]
+            self.world.all_gather_into(self.gathered, level[0])
+            total = self.gathered
+        else:
+            self.world.all_reduce(self.flat)
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(total[offset : offset + p.numel()].view_as(p.grad))
+            offset += p.numel()

@@ -19,12 +19,11 @@ from tidal_agent.data import BatchSource, PackedShards, SyntheticCorpus, TokenFi
 from tidal_agent.model import StageModule, global_parameter_names
 from tidal_agent.optim import (
     ClipMode,
+    GradientReducer,
     LogicalReplicaGradients,
-    all_reduce_gradients,
     build_adamw,
     clip_grad_norm,
     lr_at,
-    tree_reduce,
 )
 from tidal_agent.runtime import PipelineRuntime
 from tidal_agent.world import World
@@ -168,6 +167,7 @@ class Trainer:
         # takes the backend's all-reduce over the physical ones.
         self.strict = spec.parallelism.consistency == "strict"
         self._logical: LogicalReplicaGradients | None = None
+        self._reduce: GradientReducer | None = None  # built at the first step, state in place
         replicas = logical_replicas(spec) if self.strict else 1
         if self.strict and replicas == 1:  # a dp that never changes: its replicas are logical
             replicas = layout.dp
@@ -204,8 +204,10 @@ class Trainer:
         if self._logical is not None:
             self._logical.finish()
         if self.dp_world is not None:
-            reduce = tree_reduce if self.strict else all_reduce_gradients
-            reduce([p for _, p in self.named_params], self.dp_world)
+            if self._reduce is None:
+                self._reduce = GradientReducer([p for _, p in self.named_params], self.dp_world,
+                                               strict=self.strict)
+            self._reduce()
         if self._tied is not None:
             self._tied.sum()
         grad_norm = clip_grad_norm(

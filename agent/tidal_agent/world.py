@@ -63,6 +63,17 @@ class World:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self.pg.allreduce([tensor]).wait()
 
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Block ``i`` of ``tensor`` (split in ``size`` equal blocks) to rank ``i``; returns
+        the blocks this rank got, in rank order."""
+        out = torch.empty_like(tensor)
+        self.pg.alltoall_base(out, tensor, [], []).wait()
+        return out
+
+    def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Every rank's ``tensor``, in rank order, into ``out`` (``size`` times as long)."""
+        self.pg._allgather_base(out, tensor).wait()
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self.pg.allgather([out], [tensor]).wait()

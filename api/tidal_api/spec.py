@@ -336,7 +336,8 @@ class TrainingSpec(_Spec):
         return self.global_batch_size // self.micro_batch_size
 
 
-_POWERS_OF_TWO = [1 << k for k in range(11)]
+MAX_LOGICAL_REPLICAS = 1024
+_POWERS_OF_TWO = [1 << k for k in range(MAX_LOGICAL_REPLICAS.bit_length())]
 _LOGICAL = "parallelism.logicalReplicas must be a power of two up to 1024"
 
 
@@ -360,7 +361,7 @@ class ParallelismSpec(_Spec):
         2, ge=1, description="Model chunks per rank for the interleaved schedule."
     )
     logical_replicas: int | None = Field(
-        None, ge=1, le=1024, description="Strict data parallelism: the global batch is this many logical "
+        None, ge=1, le=MAX_LOGICAL_REPLICAS, description="Strict data parallelism: the global batch is this many logical "
         "replicas, whose gradients are summed in one fixed tree whatever the physical dp (which "
         "must divide it). Default: 1, or with elastic dp-pp and strict consistency the largest "
         "power of two that divides the micro-batch count, up to workers.max.",

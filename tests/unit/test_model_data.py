@@ -72,7 +72,7 @@ def test_logical_replicas_add_in_a_tree_not_in_sequence():
     param = torch.nn.Parameter(torch.zeros(1))
     whole = LogicalReplicaGradients({0: [param]}, per_replica=2, mb_offset=0)
     for mb in range(8):  # two micro-batches per logical replica, half the value each
-        grad = torch.tensor([values[mb // 2] / 2])
+        grad = torch.tensor([values[mb // 2] / 2])  # as autograd accumulates
         param.grad = grad if param.grad is None else param.grad + grad
         whole.micro_batch_done(0, mb)
     whole.finish()
