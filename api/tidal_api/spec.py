@@ -17,14 +17,20 @@ rather than a job that asks for the impossible. What the schema admits but no wo
 
 from __future__ import annotations
 
-import copy
-import json
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from tidal_api.huggingface import (
+    HF_SIZES,
+    HF_SIZES_MESSAGE,
+    HuggingFaceSpec,
+    cel_size,
+    hf_size,
+    read_config_file,
+)
+from tidal_api.schema import JobSpecError, Spec, cel, cel_rule, cel_rules
 from tidal_api.status import JobStatus
 
 GROUP = "tidal.dev"
@@ -56,44 +62,10 @@ _REQUIRED = {
 }
 
 
-class JobSpecError(ValueError):
-    """A job manifest that cannot be run; the message is one line that says how to fix it."""
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        frozen=True,
-    )
-
-
-def _cel(rule: str, message: str, message_expression: str | None = None) -> ConfigDict:
-    """A model's CEL rule for the CRD: the API server's copy of its model validator.
-
-    ``messageExpression`` gives the validator's own message with the values; ``message`` is the
-    fallback where the expression cannot be evaluated (and all there is without values).
-    """
-    return _cel_rules(_rule(rule, message, message_expression))
-
-
-def _rule(rule: str, message: str, message_expression: str | None = None) -> dict[str, str]:
-    validation = {"rule": rule, "message": message}
-    if message_expression:
-        validation["messageExpression"] = message_expression
-    return validation
-
-
-def _cel_rules(*validations: dict[str, str]) -> ConfigDict:
-    """A model's CEL rules, one per model validator (see :func:`_cel`)."""
-    return ConfigDict(json_schema_extra={"x-kubernetes-validations": list(validations)})
-
-
-class WorkersSpec(_Spec):
+class WorkersSpec(Spec):
     """How many worker pods the job may run with."""
 
-    model_config = _cel(
+    model_config = cel(
         "self.min <= self.max",
         "workers.min must not exceed workers.max",
         '"workers.min (" + string(self.min) + ") must not exceed workers.max ("'
@@ -111,102 +83,25 @@ class WorkersSpec(_Spec):
         return self
 
 
-HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")  # decoder-only causal LMs
-# The manifest's sizes and the config.json fields that must agree with them.
-_HF_SIZES = (("layers", "num_hidden_layers"), ("d_model", "hidden_size"),
-             ("heads", "num_attention_heads"), ("vocab", "vocab_size"))
-# GPT-2's config.json names of the sizes.
-_HF_ALIASES = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd",
-               "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}
-# Dropout in the library's modules draws from torch's global generator, which differs with the
-# layout: these must be 0. GPT-2's default to 0.1, so its config states them.
-_GPT2_DROPOUTS = ("embd_pdrop", "resid_pdrop", "attn_pdrop")
-# The CEL rules' messages, which parse_job's begin with (then the particulars).
-_HF_KIND = ("model.huggingface.config: model_type must be one of " + ", ".join(HF_MODEL_TYPES)
-            + ", with no dropout (attention_dropout 0; GPT-2: " + ", ".join(_GPT2_DROPOUTS)
-            + " given as 0)")
-
-
-def _hf_size(config: dict[str, Any], key: str) -> Any:
-    return config.get(key, config.get(_HF_ALIASES.get(key, key)))
-_HF_SIZES_MESSAGE = ("model.huggingface: layers, dModel, heads and vocab must be the config's "
-                     "num_hidden_layers, hidden_size, num_attention_heads and vocab_size, seqLen "
-                     "at most its max_position_embeddings, with no mtpHeads or dropout")
-
-
-def _cel_size(key: str, missing: int = -1) -> str:
-    """CEL for the config's ``key`` (or GPT-2's name of it), ``missing`` where neither is."""
-    config = "self.huggingface.config"
-    alias = _HF_ALIASES.get(key, key)
-    return (f"(has({config}.{key}) ? int({config}.{key}) : has({config}.{alias}) ? "
-            f"int({config}.{alias}) : {missing})")
-
-
-_HF_SOURCE = "model.huggingface: give config (config.json's fields) or path, not both"
-
-
-class HuggingFaceSpec(_Spec):
-    """A Hugging Face causal LM, built with ``transformers`` from its config.json fields, given
-    inline or read from a local directory."""
-
-    model_config = _cel_rules(_rule("has(self.config) != has(self.path)", _HF_SOURCE), _rule(
-        "!has(self.config) || has(self.config.model_type) && self.config.model_type in "
-        + str(list(HF_MODEL_TYPES)).replace(" ", "")
-        + " && (!has(self.config.attention_dropout) || double(self.config.attention_dropout)"
-          " == 0.0) && (self.config.model_type != 'gpt2' || ("
-        + " && ".join(f"has(self.config.{k}) && double(self.config.{k}) == 0.0"
-                      for k in _GPT2_DROPOUTS) + "))",
-        _HF_KIND,
-    ))
-
-    config: dict[str, Any] | None = Field(
-        None, description="config.json's fields, model_type included: one of "
-        + ", ".join(HF_MODEL_TYPES) + ". Nothing is downloaded."
-    )
-    path: str | None = Field(
-        None, description="Instead of config: a local directory holding config.json, on every "
-        "worker's disk (the agent reads it; the manifest's sizes must be the config's)."
-    )
-    weights: str | None = Field(
-        None, description="A local directory of safetensors weights as save_pretrained writes "
-        "them (model.safetensors, or shards listed by model.safetensors.index.json), on every "
-        "worker's disk: the initial values. Without it, the library's random initial values."
-    )
-
-    @model_validator(mode="after")
-    def _supported(self) -> HuggingFaceSpec:
-        if (self.config is None) == (self.path is None):
-            raise ValueError(_HF_SOURCE)
-        if self.config is None:  # checked where the directory is: parse_job(local_files=True)
-            return self
-        kind = self.config.get("model_type")
-        if kind not in HF_MODEL_TYPES:
-            raise ValueError(f"{_HF_KIND}: model_type {kind!r} is not supported")
-        for key in ("attention_dropout", *(_GPT2_DROPOUTS if kind == "gpt2" else ())):
-            if self.config.get(key, 0.1 if key in _GPT2_DROPOUTS else 0.0) != 0:
-                raise ValueError(f"{_HF_KIND}: {key} is {self.config.get(key, 'left out')}")
-        return self
-
-
-class ModelSpec(_Spec):
+class ModelSpec(Spec):
     """The job's model, the built-in GPT or a Hugging Face causal LM: its one description, which
     the trainer builds, reshard plans and checkpoints name, and the planner counts
     (ModelShape.of)."""
 
-    model_config = _cel_rules(
-        _rule(
+    model_config = cel_rules(
+        cel_rule(
             "self.dModel % self.heads == 0",
             "model.heads must divide model.dModel",
             '"model.heads (" + string(self.heads) + ") must divide model.dModel ("'
             ' + string(self.dModel) + ")"',
         ),
-        _rule(
+        cel_rule(
             "!has(self.huggingface) || !has(self.huggingface.config) || ("
-            + " && ".join(f"{_cel_size(key)} == self.{to_camel(field)}"
-                          for field, key in _HF_SIZES)
-            + f" && self.seqLen <= {_cel_size('max_position_embeddings', 1 << 62)}"
+            + " && ".join(f"{cel_size(key)} == self.{to_camel(field)}"
+                          for field, key in HF_SIZES)
+            + f" && self.seqLen <= {cel_size('max_position_embeddings', 1 << 62)}"
             + " && self.mtpHeads == 0 && self.dropout == 0.0)",
-            _HF_SIZES_MESSAGE,
+            HF_SIZES_MESSAGE,
         ),
     )
 
@@ -238,18 +133,18 @@ class ModelSpec(_Spec):
         if self.huggingface is None or self.huggingface.config is None:
             return self
         config = self.huggingface.config
-        for field, key in _HF_SIZES:
-            if _hf_size(config, key) is None:
-                raise ValueError(f"{_HF_SIZES_MESSAGE}: the config lacks {key}")
-            if _hf_size(config, key) != getattr(self, field):
-                raise ValueError(f"{_HF_SIZES_MESSAGE}: model.{to_camel(field)} is "
-                                 f"{getattr(self, field)}, {key} {_hf_size(config, key)}")
-        positions = _hf_size(config, "max_position_embeddings")
+        for field, key in HF_SIZES:
+            if hf_size(config, key) is None:
+                raise ValueError(f"{HF_SIZES_MESSAGE}: the config lacks {key}")
+            if hf_size(config, key) != getattr(self, field):
+                raise ValueError(f"{HF_SIZES_MESSAGE}: model.{to_camel(field)} is "
+                                 f"{getattr(self, field)}, {key} {hf_size(config, key)}")
+        positions = hf_size(config, "max_position_embeddings")
         if positions is not None and self.seq_len > positions:
-            raise ValueError(f"{_HF_SIZES_MESSAGE}: model.seqLen is {self.seq_len}, "
+            raise ValueError(f"{HF_SIZES_MESSAGE}: model.seqLen is {self.seq_len}, "
                              f"max_position_embeddings {positions}")
         if self.mtp_heads or self.dropout:
-            raise ValueError(f"{_HF_SIZES_MESSAGE}: mtpHeads and dropout are the built-in "
+            raise ValueError(f"{HF_SIZES_MESSAGE}: mtpHeads and dropout are the built-in "
                              "GPT's")
         return self
 
@@ -264,10 +159,10 @@ class ModelSpec(_Spec):
         return self.seq_len + 1 + self.mtp_heads
 
 
-class DataSpec(_Spec):
+class DataSpec(Spec):
     """Where the training samples come from."""
 
-    model_config = _cel(
+    model_config = cel(
         "self.kind == 'synthetic' || (has(self.path) && size(self.path) > 0)",
         "training.data.path is required when training.data.kind is tokens or prepared",
         '"training.data.path is required when training.data.kind is " + self.kind',
@@ -290,10 +185,10 @@ class DataSpec(_Spec):
         return self
 
 
-class TrainingSpec(_Spec):
+class TrainingSpec(Spec):
     """Optimisation: steps, batch, learning-rate schedule, data."""
 
-    model_config = _cel(
+    model_config = cel(
         "self.globalBatchSize % self.microBatchSize == 0",
         "training.microBatchSize must divide training.globalBatchSize",
         '"training.microBatchSize (" + string(self.microBatchSize) + ") must divide '
@@ -341,10 +236,10 @@ _POWERS_OF_TWO = [1 << k for k in range(MAX_LOGICAL_REPLICAS.bit_length())]
 _LOGICAL = "parallelism.logicalReplicas must be a power of two up to 1024"
 
 
-class ParallelismSpec(_Spec):
+class ParallelismSpec(Spec):
     """Which parallel degrees may change, and how strictly results must match a static run."""
 
-    model_config = _cel(
+    model_config = cel(
         "!has(self.logicalReplicas) || self.logicalReplicas in "
         + str(_POWERS_OF_TWO).replace(" ", ""),
         _LOGICAL,
@@ -361,10 +256,12 @@ class ParallelismSpec(_Spec):
         2, ge=1, description="Model chunks per rank for the interleaved schedule."
     )
     logical_replicas: int | None = Field(
-        None, ge=1, le=MAX_LOGICAL_REPLICAS, description="Strict data parallelism: the global batch is this many logical "
+        None, ge=1, le=MAX_LOGICAL_REPLICAS,
+        description="Strict data parallelism: the global batch is this many logical "
         "replicas, whose gradients are summed in one fixed tree whatever the physical dp (which "
-        "must divide it). Default: 1, or with elastic dp-pp and strict consistency the largest "
-        "power of two that divides the micro-batch count, up to workers.max.",
+        "must divide it). Default: 1, or with elastic dp-pp and strict consistency the smallest "
+        "power of two at least workers.max that divides the micro-batch count (else the "
+        "largest that does).",
     )
 
     @model_validator(mode="after")
@@ -374,7 +271,7 @@ class ParallelismSpec(_Spec):
         return self
 
 
-class ScalingSpec(_Spec):
+class ScalingSpec(Spec):
     """The operator's scaling policy for this job (DESIGN.md section 4)."""
 
     enabled: bool = Field(
@@ -406,7 +303,7 @@ class ScalingSpec(_Spec):
     )
 
 
-class CheckpointSpec(_Spec):
+class CheckpointSpec(Spec):
     """Periodic distributed checkpoints, which reload into any layout."""
 
     path: str | None = Field(
@@ -420,7 +317,7 @@ class CheckpointSpec(_Spec):
     )
 
 
-class ResourcesSpec(_Spec):
+class ResourcesSpec(Spec):
     """Requests and limits of the agent container, as Kubernetes quantities ("500m", "16Gi", 4)."""
 
     requests: dict[str, int | str] = Field(
@@ -432,7 +329,7 @@ class ResourcesSpec(_Spec):
     )
 
 
-class TemplateSpec(_Spec):
+class TemplateSpec(Spec):
     """What the cluster needs of the worker pods; the operator adds everything Tidal needs.
 
     The lists are passed to the pod as they are (Kubernetes validates them when the pod is
@@ -479,7 +376,7 @@ class TemplateSpec(_Spec):
     )
 
 
-class JobSpec(_Spec):
+class JobSpec(Spec):
     """spec of an ElasticTrainingJob: what to train, on how many workers, under which policy."""
 
     workers: WorkersSpec = Field(description="Worker pod range; the job starts at min.")
@@ -555,27 +452,6 @@ class ElasticTrainingJob(BaseModel):
     )
 
 
-def _read_config_file(document: dict[str, Any], source: str) -> dict[str, Any]:
-    model = (document.get("spec") or {}).get("model") or {}
-    hf = model.get("huggingface") if isinstance(model, dict) else None
-    if not isinstance(hf, dict) or not isinstance(hf.get("path"), str) or "config" in hf:
-        return document
-    file = Path(hf["path"]) / "config.json"
-    try:
-        config = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise JobSpecError(f"{source}: model.huggingface.path: {file} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise JobSpecError(f"{source}: model.huggingface.path: cannot read {file}: "
-                           f"{getattr(err, 'strerror', None) or err}") from None
-    if not isinstance(config, dict):
-        raise JobSpecError(f"{source}: model.huggingface.path: {file} is not a JSON object")
-    read = copy.deepcopy(document)
-    read["spec"]["model"]["huggingface"] = {**{k: v for k, v in hf.items() if k != "path"},
-                                            "config": config}
-    return read
-
-
 def _first_error(err: ValidationError) -> str:
     e = err.errors()[0]
     where = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -598,7 +474,7 @@ def parse_job(document: Any, source: str = "job", *, local_files: bool = False
     if not isinstance(document, dict):
         raise JobSpecError(f"{source}: expected an ElasticTrainingJob mapping")
     if local_files:
-        document = _read_config_file(document, source)
+        document = read_config_file(document, source)
     try:
         return ElasticTrainingJob.model_validate(document)
     except ValidationError as err:

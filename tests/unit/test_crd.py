@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from tidal_api import huggingface
 from tidal_api import spec as spec_module
 from tidal_api import (
     Arrival,
@@ -414,13 +415,13 @@ CEL_REFUSALS = [
     ({"training": {"data": {"kind": "prepared"}}},
      "training.data.path is required when training.data.kind is prepared"),
     ({"model": {"huggingface": {"config": {**HF_SIZES, "model_type": "bert"}}}},
-     spec_module._HF_KIND),
+     huggingface.HF_KIND),
     ({"model": {"huggingface": {"config": {**HF_SIZES, "model_type": "llama",
                                            "num_hidden_layers": 5}}}},
-     spec_module._HF_SIZES_MESSAGE),
+     huggingface.HF_SIZES_MESSAGE),
     ({"model": {"huggingface": {"config": {**HF_SIZES, "model_type": "llama"}, "path": "/m"}}},
-     spec_module._HF_SOURCE),
-    ({"model": {"huggingface": {}}}, spec_module._HF_SOURCE),
+     huggingface.HF_SOURCE),
+    ({"model": {"huggingface": {}}}, huggingface.HF_SOURCE),
     ({"parallelism": {"logicalReplicas": 6}}, spec_module._LOGICAL),
 ]
 
