@@ -174,7 +174,7 @@ class Trainer:
         if self.strict and replicas % layout.dp:
             raise ValueError(f"{layout.describe()}: dp {layout.dp} must divide the job's "
                              f"{replicas} logical replicas in strict mode")
-        if replicas > 1:
+        if replicas > layout.dp:  # one logical replica per physical one: nothing to take apart
             self._logical = LogicalReplicaGradients(
                 self.runtime.stage_params,
                 per_replica=spec.training.num_micro_batches // replicas,

@@ -74,11 +74,6 @@ class World:
         """Every rank's ``tensor``, in rank order, into ``out`` (``size`` times as long)."""
         self.pg._allgather_base(out, tensor).wait()
 
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(tensor) for _ in range(self.size)]
-        self.pg.allgather([out], [tensor]).wait()
-        return out
-
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1))
 
