@@ -139,8 +139,14 @@ def logical_replicas(spec: JobSpec) -> int:
         return par.logical_replicas
     if par.elastic != "dp-pp" or par.consistency != "strict":
         return 1
+    return default_logical_replicas(spec.workers.max, micro_batches)
+
+
+def default_logical_replicas(max_workers: int, micro_batches: int) -> int:
+    """The smallest power of two at least ``max_workers`` that divides ``micro_batches``
+    (else the largest that does): room for every dp a table up to ``max_workers`` may use."""
     replicas = 1
-    while replicas < spec.workers.max and micro_batches % (2 * replicas) == 0:
+    while replicas < max_workers and micro_batches % (2 * replicas) == 0:
         replicas *= 2
     return replicas
 

@@ -23,7 +23,11 @@ from tidal_api.layout import Layout, LayoutError, ScheduleKind
 from tidal_api.spec import JobSpec
 from tidal_plan.costmodel import Prediction, Sharding
 from tidal_plan.devices import Device
-from tidal_plan.elastic import logical_replicas, strict_data_parallel
+from tidal_plan.elastic import (
+    default_logical_replicas,
+    logical_replicas,
+    strict_data_parallel,
+)
 from tidal_plan.modelshape import FLEXTRAIN, FLEXTRAIN_BATCH, ModelShape
 from tidal_plan.predictors import ModeledPredictor, Predictor, ProfiledPredictor
 from tidal_plan.profiled import Profile
@@ -164,8 +168,10 @@ def flextrain_space(
 ) -> tuple[ModelShape, Sharding, SearchSpace]:
     """Model, sharding and search space of a FlexTrain configuration.
 
-    ``elastic="pp"`` keeps the slides' DP degree (PP scaling, bitwise consistent);
-    ``"dp-pp"`` lets DP vary too. Micro-batches hold one sequence of 8K or 32K tokens.
+    ``elastic="pp"`` keeps the slides' DP degree (PP scaling); ``"dp-pp"`` lets DP vary too,
+    as strict data parallelism does: dp divides the logical replicas, the smallest power of two
+    at least the largest worker count that divides the batch. Both keep the bits. Micro-batches
+    hold one sequence of 8K or 32K tokens.
     """
     if name not in FLEXTRAIN_RUNS:
         raise ValueError(f"unknown FlexTrain configuration {name!r}: use one of "
@@ -183,6 +189,8 @@ def flextrain_space(
         micro_batch_sizes=(1,),
         memory_bytes=device.memory_bytes,
         dp=run.dp if elastic == "pp" else None,
+        logical_replicas=0 if elastic == "pp" else default_logical_replicas(
+            run.gpus[1] // per_worker, FLEXTRAIN_BATCH[name]),
         min_gain=min_gain,
     )
     return FLEXTRAIN[name], sharding, space
