@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	@$(MAKE) --no-print-directory prometheus
 	touch $(STAMP)
 
+# `make demo DEMO_JOB=examples/demo-dp.yaml`: the same job with strict data parallelism, whose
+# dp changes with its worker count as well as pp.
+DEMO_JOB ?= examples/demo.yaml
 demo: $(STAMP)
-	$(BIN)/tidal local demo --minutes 3 --report runs/demo.json
+	$(BIN)/tidal local demo --job $(DEMO_JOB) --minutes 3 --report runs/demo.json
 
 test: $(STAMP) prometheus
 	$(BIN)/python -m pytest

@@ -249,7 +249,8 @@ def _report(config: DemoConfig, doc: dict[str, Any], timeline: list[dict[str, An
         "events": events,
         "decisions": decisions,
         "reconfigurations": [
-            {k: c[k] for k in ("at_step", "workers", "pause_s", "bytes_moved") if k in c}
+            {**{k: c[k] for k in ("at_step", "workers", "pause_s", "bytes_moved") if k in c},
+             "layouts": [{"dp": c[end]["dp"], "pp": c[end]["pp"]} for end in ("from", "to")]}
             for c in (elastic or {}).get("reconfigurations", [])],
         "arrivals": arrivals,
         "timeline": timeline,
@@ -331,6 +332,10 @@ def compare(elastic: dict[str, Any], static: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _shape(layout: dict[str, int]) -> str:
+    return f"dp{layout['dp']} x pp{layout['pp']}"
+
+
 def summary_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"tidal local demo: {report['job']}", show_header=False)
     table.add_column(style="bold")
@@ -340,8 +345,10 @@ def summary_table(report: dict[str, Any]) -> Table:
         ("steps / seconds", f"{report['steps']} in {report['seconds']:.0f} s"),
         ("scale-ups / scale-downs", f"{report['scale_ups']} / {report['scale_downs']}"),
         ("workers", f"{report['workers']['min']} .. {report['workers']['max']}"),
-        *((f"switch at step {c['at_step']}", f"{c['workers'][0]} -> {c['workers'][1]} workers, "
-           f"pause {c['pause_s'] * 1e3:.0f} ms, {c['bytes_moved'] / 2**20:.1f} MiB moved")
+        *((f"switch at step {c['at_step']}", f"{c['workers'][0]} -> {c['workers'][1]} workers "
+           f"({_shape(c['layouts'][0])} -> {_shape(c['layouts'][1])}), "
+           f"pause {c['pause_s'] * 1e3:.0f} ms, "
+           f"{c['bytes_moved'] / 2**20:.1f} MiB moved")
           for c in report["reconfigurations"]),
         ("non-elastic jobs", str(len(report["arrivals"]))),
         ("bitwise equal to a static run", f"losses {report['bitwise_equal']}, parameters "

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TIDAL = Path(sys.executable).with_name("tidal")
-JOB = "demo"
+JOB = "demo"  # examples/demo.yaml: strict, dp 1, pp scaling
+DP_JOB = "demo-dp"  # examples/demo-dp.yaml: strict data parallelism too (issue 25)
 
 
 def survivors(run_id: str) -> list[str]:
@@ -60,8 +61,8 @@ class Watcher:
     """The job and its worker pods, read from the API every 0.3 s in a thread, beside the
     demo's own view: what the status says next to what the pods are."""
 
-    def __init__(self, kubeconfig: Path) -> None:
-        self.kubeconfig, self.samples, self.errors = kubeconfig, [], []
+    def __init__(self, kubeconfig: Path, job: str) -> None:
+        self.kubeconfig, self.job, self.samples, self.errors = kubeconfig, job, [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -73,9 +74,9 @@ class Watcher:
         while url and not self._stop.is_set():
             try:
                 job = _get(url, f"/apis/tidal.dev/v1alpha1/namespaces/default/"
-                                f"elastictrainingjobs/{JOB}")
+                                f"elastictrainingjobs/{self.job}")
                 pods = _get(url, f"/api/v1/namespaces/default/pods?labelSelector="
-                                 f"tidal.dev/job%3D{JOB}")["items"]
+                                 f"tidal.dev/job%3D{self.job}")["items"]
                 self.samples.append((job.get("status") or {}, {
                     p["metadata"]["name"]: (p.get("status") or {}).get("phase") for p in pods}))
             except OSError as err:  # not there yet, or the cluster has stopped
@@ -89,12 +90,16 @@ class Watcher:
 
 @pytest.mark.timeout(420)
 def test_demo_grows_and_shrinks_through_the_operator_bitwise_as_a_static_run(tmp_path):
+    """``make demo DEMO_JOB=examples/demo-dp.yaml``, which runs all the machinery of the default
+    demo's job and changes dp as well as pp: the planner's layouts for 2, 3 and 4 workers are
+    (2,1), (1,3) and (4,1) on the cpu description."""
     run_id = uuid.uuid4().hex
     kubeconfig, report, plot = tmp_path / "kubeconfig", tmp_path / "demo.json", tmp_path / "d.png"
     kubectl = ensure_kubectl()
-    watcher = Watcher(kubeconfig)
+    watcher = Watcher(kubeconfig, DP_JOB)
     demo = subprocess.Popen(
-        [str(TIDAL), "local", "demo", "--minutes", "2", "--steps", "200", "--nodes", "1",
+        [str(TIDAL), "local", "demo", "--job", "examples/demo-dp.yaml", "--minutes", "2",
+         "--steps", "200", "--nodes", "1",
          "--gpus-per-node", "4", "--arrival-rate", "0", "--burst-after", "5",
          "--workdir", str(tmp_path / "local"), "--kubeconfig", str(kubeconfig),
          "--report", str(report), "--plot", str(plot), "--no-live"],
@@ -107,10 +112,10 @@ def test_demo_grows_and_shrinks_through_the_operator_bitwise_as_a_static_run(tmp
         env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         while time.monotonic() < deadline and demo.poll() is None:
             if kubeconfig.is_file():
-                described = subprocess.run([str(kubectl), "describe", "etj", JOB], env=env,
+                described = subprocess.run([str(kubectl), "describe", "etj", DP_JOB], env=env,
                                            capture_output=True, text=True, timeout=30).stdout
                 if "ScaleDown" in described:
-                    got = subprocess.run([str(kubectl), "get", "etj", JOB], env=env,
+                    got = subprocess.run([str(kubectl), "get", "etj", DP_JOB], env=env,
                                          capture_output=True, text=True, timeout=30).stdout
                     break
             time.sleep(2)
@@ -141,6 +146,17 @@ def test_demo_grows_and_shrinks_through_the_operator_bitwise_as_a_static_run(tmp
     grown = [c for c in result["reconfigurations"] if c["workers"][1] > c["workers"][0]]
     shrunk = [c for c in result["reconfigurations"] if c["workers"][1] < c["workers"][0]]
     assert grown and shrunk, result["reconfigurations"]  # the agent applied both
+    shapes = {n: (layout["dp"], layout["pp"]) for c in result["reconfigurations"]
+              for n, layout in zip(c["workers"], c["layouts"], strict=True)}
+    assert shapes.items() <= {2: (2, 1), 3: (1, 3), 4: (4, 1)}.items(), shapes
+    dp_changes = [c for c in result["reconfigurations"]
+                  if c["layouts"][0]["dp"] != c["layouts"][1]["dp"]]
+    assert dp_changes, result["reconfigurations"]
+    for c in dp_changes:  # the summary says so
+        (a, b), (old, new) = c["workers"], c["layouts"]
+        line = (f"{a} -> {b} workers (dp{old['dp']} x pp{old['pp']} -> "
+                f"dp{new['dp']} x pp{new['pp']})")
+        assert line in output, output[-4000:]
 
     # The status agrees with the agent's applied layout and with the pods. In every sample:
     # dp x pp is the member count, every member has its pod, and no worker pod runs that is

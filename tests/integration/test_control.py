@@ -673,15 +673,19 @@ def test_agent_refuses_what_it_cannot_run(emulator, api):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("snapshots", [True, False], ids=["peer-snapshots", "checkpoints"])
+@pytest.mark.parametrize(("snapshots", "elastic"), [(True, "pp"), (False, "pp"), (True, "dp-pp")],
+                         ids=["peer-snapshots", "checkpoints", "peer-snapshots-dp"])
 def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api, tmp_path,
-                                                                  snapshots):
+                                                                  snapshots, elastic):
     """The fault path: a pod that does not drain and is deleted at the deadline, then a pod
     killed with no target at all. Each time the survivors go on without a restart, from the
     peer snapshots of the step in flight (the default) or from the last checkpoint, and the
-    run's losses and parameters are a static run's, bit for bit."""
+    run's losses and parameters are a static run's, bit for bit. With strict ``dp-pp`` the
+    planner's layouts (issue 25) go (4,1) -> (1,3) -> (2,1): the first loss is a replica's."""
     steps, every = 36, 4
     doc = _job_doc(steps=steps)
+    doc["spec"]["parallelism"]["elastic"] = elastic
+    shapes = ([(1, 4), (1, 3), (1, 2)] if elastic == "pp" else [(4, 1), (1, 3), (2, 1)])
     doc["spec"]["checkpoint"] = {"path": str(tmp_path / "ckpt"), "everySteps": every,
                                  "peerSnapshots": snapshots}
     _create(api, doc)
@@ -693,7 +697,9 @@ def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api,
     try:
         for index in range(4):
             pods.start(index)
-        observer.until(lambda s: s.get("members") == [w0, w1, w2, w3], 120, "generation 0")
+        first = observer.until(lambda s: s.get("members") == [w0, w1, w2, w3], 120,
+                               "generation 0")
+        assert (first["layout"]["dp"], first["layout"]["pp"]) == shapes[0]
         observer.until(lambda s: s.get("step", 0) >= 6, 60, "step 6")
         # w3 hangs (it will not drain), is asked to leave, and is deleted at the deadline.
         pods.procs[w3].send_signal(signal.SIGSTOP)
@@ -717,7 +723,8 @@ def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api,
     report = json.loads((tmp_path / "report.json").read_text())
     first, second = report["recoveries"]
     assert first["lost"] == [w3] and second["lost"] == [w1]
-    for recovery, members in ((first, [w0, w1, w2]), (second, [w0, w2])):
+    for recovery, members, shape in ((first, [w0, w1, w2], shapes[1]),
+                                     (second, [w0, w2], shapes[2])):
         assert recovery["members"] == members and recovery["generation"] == 1
         assert recovery["snapshot"] is snapshots
         if snapshots:
@@ -729,7 +736,7 @@ def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api,
             assert recovery["resumed_at"] % every == 0
             assert 0 <= recovery["failed_at"] - recovery["resumed_at"] <= every
             assert recovery["checkpoint"].endswith(f"step-{recovery['resumed_at']:08d}")
-        assert recovery["layout"]["pp"] == len(members)
+        assert (recovery["layout"]["dp"], recovery["layout"]["pp"]) == shape
     assert first["failed_at"] >= 6 and second["failed_at"] >= 14
     # Every step once in the final report (the replayed ones replace the lost ones), and the
     # bits of a run that never lost a worker.

@@ -74,7 +74,8 @@ EXERCISED_BY = {
                         "test_helm_installs_as_documented_over_what_tidal_local_up_created")],
 }
 MAKE_RECIPES = {"test": ".venv/bin/python -m pytest",
-                "demo": ".venv/bin/tidal local demo --minutes 3 --report runs/demo.json"}
+                "demo": ".venv/bin/tidal local demo --job examples/demo.yaml --minutes 3 "
+                        "--report runs/demo.json"}
 
 
 @dataclass(frozen=True)
