@@ -50,8 +50,8 @@ class LeaderRecovering(RuntimeError):
     """The leader took the fault path: a member waiting at a step boundary takes it too."""
 
 
-Chooser = Callable[[int, int], tuple[Layout, float | None]]
-"""Layout (and predicted step seconds) for a worker count, given generation 0's count."""
+Chooser = Callable[[int], tuple[Layout, float | None]]
+"""Layout (and predicted step seconds) for a worker count."""
 
 
 def _gen_json(gen: Generation, layout: Layout) -> dict[str, Any]:
@@ -134,7 +134,6 @@ class ControlledGenerations:
         self.run = uuid.uuid4().hex[:12] if me == leader else ""  # this run of the job
         self._layouts: dict[int, Layout] = {}
         self.current: Generation | None = None  # the leader's newest generation
-        self._first: Generation | None = None  # the leader's generation 0
         self.applied = -1  # the newest target generation acted on (the leader's)
         self._skipped: tuple[Target, str] | None = None  # the last target not applied, and why
         self.recoveries = 0  # fault paths taken, the same count on every member
@@ -213,13 +212,13 @@ class ControlledGenerations:
         if saved is not None:
             self.resume_from = str(saved[1])
         gen = Generation(index=0, at_step=saved[0] if saved else 0, members=members)
-        layout, predicted = self._choose(len(members), len(members))
+        layout, predicted = self._choose(len(members))
         self._layouts[0] = layout
         for pod in members[1:]:
             self.store.set(f"gen/{pod}", json.dumps({**_gen_json(gen, layout), "previous": None,
                                                      "checkpoint": self.resume_from,
                                                      "run": self.run}))
-        self._first = self.current = gen
+        self.current = gen
         self.applied = 0
         log.info("generation 0: %s in %s from step %d%s", list(gen.members), layout.describe(),
                  gen.at_step, f" ({self.resume_from})" if self.resume_from else "")
@@ -404,7 +403,7 @@ class ControlledGenerations:
                 and target.generation >= self.applied):
             index = target.generation  # the scale-down the lost pods did not drain for
         try:
-            layout, predicted = self._choose(len(survivors), len(self._first.members))
+            layout, predicted = self._choose(len(survivors))
         except LayoutError as err:
             return {"abort": f"no layout for the {len(survivors)} survivors: {err}"}
         resume, path = 0, None
@@ -478,7 +477,7 @@ class ControlledGenerations:
             if missing:
                 self._skip(target, f"waiting for {missing} to register")
                 return None
-            layout, predicted = self._choose(len(following.members), len(self._first.members))
+            layout, predicted = self._choose(len(following.members))
         except (TargetError, LayoutError) as err:
             self._skip(target, f"cannot apply it: {err}", level=logging.ERROR)
             return None

@@ -129,10 +129,9 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     device = load_device(plan_device)
     planner = LayoutPlanner(job, device)
 
-    def choose(workers: int, first_workers: int) -> tuple[Layout, float | None]:
+    def choose(workers: int) -> tuple[Layout, float | None]:
         """The layout ``tidal run`` would pick for this count (dp by the same rule)."""
-        dp = data_parallel_degree(spec, first_workers, workers)
-        layout, prediction = planner.layout(workers, dp)
+        layout, prediction = planner.layout(workers, data_parallel_degree(spec))
         return layout, prediction.step_seconds
 
     stop = _stop_on_sigterm(identity.pod)

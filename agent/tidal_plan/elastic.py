@@ -156,18 +156,18 @@ def strict_data_parallel(spec: JobSpec) -> bool:
     return spec.parallelism.elastic == "dp-pp" and spec.parallelism.consistency == "strict"
 
 
-def data_parallel_degree(spec: JobSpec, base_workers: int, workers: int) -> int | None:
-    """dp for ``workers`` when the job started with ``base_workers``; None: the planner's pick.
+def data_parallel_degree(spec: JobSpec) -> int | None:
+    """dp at any worker count: 1 with ``elastic: pp``; None with ``elastic: dp-pp``, the
+    planner's pick per count (strict: a dp that divides the logical replicas; relaxed: any dp
+    that divides the micro-batches, their gradients summed by the backend's all-reduce)."""
+    return None if spec.parallelism.elastic == "dp-pp" else 1
 
-    Strict ``elastic: pp`` keeps dp = 1 and scales pp; strict ``elastic: dp-pp`` lets the
-    planner choose any dp that divides the logical replicas. With ``elastic: dp-pp`` and
-    ``relaxed`` consistency, a worker count that is a multiple k of the first one runs k
-    data-parallel replicas of the first pipeline (when the micro-batches split evenly); other
-    counts scale pp.
-    """
+
+def _replicas_of_the_first(spec: JobSpec, base_workers: int, workers: int) -> int:
+    """dp without the planner: relaxed ``dp-pp`` runs k data-parallel replicas of the first
+    pipeline at k times the first count (where the micro-batches split evenly); anything else
+    scales pp at dp 1."""
     par = spec.parallelism
-    if strict_data_parallel(spec):
-        return None
     if par.elastic != "dp-pp" or par.consistency != "relaxed" or workers % base_workers:
         return 1
     k = workers // base_workers
@@ -186,9 +186,9 @@ def elastic_plan(
 ) -> tuple[list[Generation], list[Layout]]:
     """Generations and their layouts for a worker schedule like [(0, 2), (4, 3)].
 
-    dp follows ``tidal_plan.elastic.data_parallel_degree`` (1 in strict mode).
-    ``choose(workers, dp)`` (the planner) picks each layout where given; otherwise the units
-    are split evenly under the spec's schedule (or ``kind``).
+    ``choose(workers, dp)`` (the planner) picks each layout where given, at
+    ``data_parallel_degree``'s dp; otherwise the units are split evenly under the spec's
+    schedule (or ``kind``), in replicas of the first pipeline where relaxed ``dp-pp`` allows.
     """
     gens = generations(schedule)
     base = len(gens[0].members)
@@ -196,10 +196,11 @@ def elastic_plan(
     layouts = []
     for gen in gens:
         n = len(gen.members)
-        dp = data_parallel_degree(job.spec, base, n)
         if choose is not None:
-            layouts.append(choose(n, dp))
-        elif dp is None or dp == 1:
+            layouts.append(choose(n, data_parallel_degree(job.spec)))
+            continue
+        dp = _replicas_of_the_first(job.spec, base, n)
+        if dp == 1:
             layouts.append(resolve_layout(job, workers=n, schedule=kind))
         else:
             first = resolve_layout(job, workers=base, schedule=kind)

@@ -117,8 +117,9 @@ def plan_job(
 class LayoutPlanner:
     """The planner's layout for a worker count the runner was given, and its prediction.
 
-    The runner fixes dp (its elastic rule) and the spec's micro-batch size; the planner picks
-    the schedule (where the spec says auto), virtual stages and the partition.
+    The runner gives dp (``data_parallel_degree``: 1, or None for the planner's pick) and
+    fixes the spec's micro-batch size (the relaxed table's other sizes are not run); the
+    planner picks the schedule (where the spec says auto), virtual stages and the partition.
     """
 
     def __init__(self, job: ElasticTrainingJob, device: Device, profile: Profile | None = None):

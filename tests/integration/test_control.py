@@ -214,7 +214,7 @@ def test_generations_follow_targets_through_the_store():
                                                      timeout=timedelta(seconds=30)))
         return ControlledGenerations(
             me=me, leader=leader, store=store, min_workers=2, steps=steps,
-            choose=lambda n, first: (_layout(n), None), target=lambda: box["target"],
+            choose=lambda n: (_layout(n), None), target=lambda: box["target"],
             poll_s=0.01,
         )
 
@@ -286,7 +286,7 @@ def test_a_leader_asked_to_stop_halts_the_job_and_the_next_start_resumes(tmp_pat
                                                        timeout=timedelta(seconds=30)))
         return ControlledGenerations(
             me=me, leader=leader, store=store, min_workers=2, steps=steps,
-            choose=lambda n, first: (_layout(n), None), poll_s=0.01,
+            choose=lambda n: (_layout(n), None), poll_s=0.01,
             checkpoint_root=str(tmp_path), stop=stop if me == leader else None)
 
     trained: list = []
@@ -336,7 +336,7 @@ def test_without_the_leader_the_others_agree_through_files_on_what_to_save(tmp_p
 
     def source(me, run="r1", wait_s=30.0, store=None):
         src = ControlledGenerations(me=me, leader=leader, store=store, min_workers=2, steps=100,
-                                    choose=lambda n, first: (_layout(n), None), poll_s=0.01,
+                                    choose=lambda n: (_layout(n), None), poll_s=0.01,
                                     checkpoint_root=str(tmp_path), rescue_wait_s=wait_s)
         src.run = run  # as its generation's announcement says
         return src
@@ -390,7 +390,7 @@ def test_recovery_decisions_through_the_store(tmp_path):
 
     sources = {me: ControlledGenerations(
         me=me, leader=pods[0], store=connect(), min_workers=3, steps=100,
-        choose=lambda n, first: (_layout(n), None), target=lambda: box["target"], poll_s=0.01,
+        choose=lambda n: (_layout(n), None), target=lambda: box["target"], poll_s=0.01,
         checkpoint_root=str(tmp_path), heartbeat=connect(), beat_s=0.05, lost_after_s=0.5,
         fault_wait_s=20) for me in pods}
 
@@ -461,7 +461,7 @@ def test_recovery_decisions_through_the_store(tmp_path):
     box["target"] = Target(workers=2, generation=2, join=("j-worker-3",))
     joiner = ControlledGenerations(
         me="j-worker-3", leader=pods[0], store=connect(), min_workers=3, steps=100,
-        choose=lambda n, first: (_layout(n), None), target=lambda: box["target"], poll_s=0.01)
+        choose=lambda n: (_layout(n), None), target=lambda: box["target"], poll_s=0.01)
 
     def lead():
         step = 8
