@@ -31,7 +31,7 @@ from tidal_api import JobSpec
 from tidal_api.layout import Layout
 from tidal_plan.dryrun import plan_step
 from tidal_plan.elastic import logical_replicas
-from tidal_plan.lowering import fifo_consistent
+from tidal_plan.lowering import fifo_consistent, receive_early
 
 
 def batch_source(spec: JobSpec) -> BatchSource:
@@ -146,6 +146,8 @@ class Trainer:
                 "sends and receives are not in the same order; use gloo or another schedule"
             )
         self.actions = lowered[pp_rank]
+        if world.rendezvous.backend != "nccl":  # gloo matches by tag: post receives sooner
+            self.actions = receive_early(self.actions)
         mbs, t = spec.training.micro_batch_size, model.seq_len
         self.runtime = PipelineRuntime(
             layout=layout,
