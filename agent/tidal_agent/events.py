@@ -102,6 +102,39 @@ class Reconfigured:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Straggler:
+    """The leader flagged ``member`` as a straggler at ``step`` (``flagged``), or cleared it."""
+
+    worker: str
+    member: str
+    step: int
+    flagged: bool
+    slowdown: float  # its seconds per decoder layer over the median of the others'
+
+    def record(self) -> dict[str, Any]:
+        return {"member": self.member, "step": self.step, "flagged": self.flagged,
+                "slowdown": self.slowdown}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Replanned:
+    """The leader re-partitioned the units for the members' measured speeds at ``step``: the
+    same members switch to ``to_layout`` at ``at_step``."""
+
+    worker: str
+    step: int
+    at_step: int
+    from_layout: Layout
+    to_layout: Layout
+    speeds: dict[str, float]  # per member, relative to the typical one
+    gain: float  # the slowest rank's time, predicted: before over after, minus 1
+
+    def record(self) -> dict[str, Any]:
+        return {"step": self.step, "at_step": self.at_step, "from": self.from_layout.to_dict(),
+                "to": self.to_layout.to_dict(), "speeds": self.speeds, "gain": self.gain}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Released:
     """A shrink let the worker go at ``at_step``: how long after the end of its last step it
     was free (None: it trained no step)."""
@@ -184,8 +217,8 @@ class Failed:
     traceback: str
 
 
-WorkerEvent = (Ready | Stepped | Checkpointed | Profiled | Reconfigured | Released | Recovered
-               | Halted | Finished | Left | Failed)
+WorkerEvent = (Ready | Stepped | Checkpointed | Profiled | Reconfigured | Straggler | Replanned
+               | Released | Recovered | Halted | Finished | Left | Failed)
 
 
 class EventSink(Protocol):
@@ -210,6 +243,10 @@ class Listener:
                 self.on_profiled(event)
             case Reconfigured():
                 self.on_reconfigured(event)
+            case Straggler():
+                self.on_straggler(event)
+            case Replanned():
+                self.on_replanned(event)
             case Released():
                 self.on_released(event)
             case Recovered():
@@ -234,6 +271,10 @@ class Listener:
     def on_profiled(self, event: Profiled) -> None: ...
 
     def on_reconfigured(self, event: Reconfigured) -> None: ...
+
+    def on_straggler(self, event: Straggler) -> None: ...
+
+    def on_replanned(self, event: Replanned) -> None: ...
 
     def on_released(self, event: Released) -> None: ...
 

@@ -291,6 +291,13 @@ class ControlledGenerations:
             self.store.delete_key(f"ctl/{self.recoveries}/{step - 2}")
         return following
 
+    @property
+    def replans(self) -> bool:
+        return False  # generations are numbered by the operator's targets
+
+    def replan(self, gen: Generation, layout: Layout, *, at_step: int) -> Generation:
+        raise NotImplementedError("the operator's generations take no re-plans")
+
     def _switching(self, following: Generation, step: int) -> Generation:
         """``following``, announced at ``step``; remember the boundary if it switches there."""
         if following.at_step == step:

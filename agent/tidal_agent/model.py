@@ -14,6 +14,7 @@ under the same names.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -208,6 +209,28 @@ def _initialise(module: Unit, model: ModelSpec, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
+class LayerClock:
+    """Wall seconds of a stage's decoder-layer forwards: the same computation on every rank, so
+    the seconds per layer compare ranks whatever the partition (tidal_plan.stragglers).
+
+    ``slowdown`` is a test's deterministic straggler: each layer forward then lasts that many
+    times as long (it sleeps for the rest). Real slowdowns come from contention (bench/straggler.py).
+    On a GPU the times are the launches' unless the stream is synchronised: a CPU-side measure.
+    """
+
+    __slots__ = ("seconds", "slowdown")
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.slowdown = 1.0
+
+    def add(self, seconds: float) -> None:
+        if self.slowdown > 1:
+            time.sleep(seconds * (self.slowdown - 1))
+            seconds *= self.slowdown
+        self.seconds.append(seconds)
+
+
 class StageModule(nn.Module):
     """The placement units of one pipeline stage, under their global names.
 
@@ -242,11 +265,18 @@ class StageModule(nn.Module):
         self._ordered = [built[u] for u in units]
         if not initialise:
             self.to_empty(device="cpu")
+        self.layer_clock = LayerClock()
 
     def forward(self, h: torch.Tensor | None, ctx: UnitContext):
         losses: list[torch.Tensor] = []
+        clock, layers = self.layer_clock, self.model.layers
         for unit in self._ordered:
-            h, loss = self.run_unit(unit, h, ctx)
+            if 1 <= unit.index <= layers:
+                started = time.perf_counter()
+                h, loss = self.run_unit(unit, h, ctx)
+                clock.add(time.perf_counter() - started)
+            else:
+                h, loss = self.run_unit(unit, h, ctx)
             if loss is not None:
                 losses.append(loss)
         return h, losses

@@ -14,7 +14,7 @@ store went with its host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tidal_agent.snapshot import Cut
@@ -77,6 +77,14 @@ class GenerationSource(Protocol):
         """At the boundary before ``step``: the generation after ``gen`` if it is known, or
         ``Halt`` if the job stops there."""
 
+    @property
+    def replans(self) -> bool:
+        """Whether ``replan`` may be called: the source can number a generation of its own."""
+
+    def replan(self, gen: Generation, layout: Layout, *, at_step: int) -> Generation:
+        """The generation after ``gen``: the same members in ``layout`` (the straggler watch
+        re-planned, every member at the same boundary), from ``at_step``."""
+
     def recover(self, me: str, trained: Generation, step: int, error: Exception,
                 held: dict[str, Any] | None = None) -> Recovery | None:
         """``me`` failed at ``step`` in generation ``trained`` with ``error``, holding the peer
@@ -98,11 +106,14 @@ class GenerationSource(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class StaticGenerations:
-    """A membership schedule known in advance: every generation and its layout."""
+    """A membership schedule known in advance: every generation and its layout, and, where
+    the schedule is one generation, the re-plans the straggler watch adds to it."""
 
     generations: tuple[Generation, ...]
     layouts: tuple[Layout, ...]  # one per generation
     resume_from: str | None = None  # a checkpoint directory (tidal run --resume)
+    # Re-plans by generation index (after the schedule's own, which they never interleave).
+    added: dict[int, tuple[Generation, Layout]] = field(default_factory=dict)
 
     @property
     def leader(self) -> str:
@@ -113,11 +124,25 @@ class StaticGenerations:
         return gen, self.generations[gen.index - 1] if gen.index else None
 
     def layout(self, gen: Generation) -> Layout:
+        if gen.index in self.added:
+            return self.added[gen.index][1]
         return self.layouts[gen.index]
 
     def following(self, gen: Generation, step: int) -> Generation | None:
         nxt = gen.index + 1
+        if nxt in self.added:
+            return self.added[nxt][0]
         return self.generations[nxt] if nxt < len(self.generations) else None
+
+    @property
+    def replans(self) -> bool:
+        # A joiner of a later scheduled generation would not know of the re-plans before it.
+        return len(self.generations) == 1
+
+    def replan(self, gen: Generation, layout: Layout, *, at_step: int) -> Generation:
+        following = Generation(index=gen.index + 1, at_step=at_step, members=gen.members)
+        self.added[following.index] = (following, layout)
+        return following
 
     def recover(self, me: str, trained: Generation, step: int, error: Exception,
                 held: dict[str, Any] | None = None) -> Recovery | None:

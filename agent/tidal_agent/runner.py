@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tidal_agent import sharing
 from tidal_agent.events import (Checkpointed, Failed, Finished, Left, Listener, Profiled, Ready,
-                                Reconfigured, Released, Stepped)
+                                Reconfigured, Released, Replanned, Stepped, Straggler)
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
 from tidal_agent.trainer import params_sha256
@@ -89,6 +89,9 @@ def run_elastic(
     profile_out: str | Path | None = None,
     peer_snapshots: bool = False,
     fresh_interpreters: bool = False,
+    unit_seconds: tuple[float, ...] | None = None,
+    slowdown: tuple[tuple[str, int, int, float], ...] = (),
+    pin_cores: bool = False,
 ) -> dict[str, Any]:
     """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
@@ -96,8 +99,16 @@ def run_elastic(
     at, in the first generation's layout whatever the layout that saved it. ``spec.checkpoint``
     sets periodic saves. A fixed schedule has no fault path, so peer snapshots are off unless
     ``peer_snapshots`` (to measure what they cost). ``fresh_interpreters``: see
-    :func:`worker_processes`.
+    :func:`worker_processes`. ``unit_seconds`` weigh a re-plan around stragglers (where
+    ``spec.stragglers.replan``; default: the modeling-based predictor's on the CPU);
+    ``slowdown`` makes workers stragglers for a test (``WorkerOptions.slowdown``);
+    ``pin_cores`` puts worker i on core i modulo the cores (``os.sched_setaffinity``).
     """
+    if unit_seconds is None and job.spec.stragglers.replan:
+        from tidal_plan.devices import load_device
+        from tidal_plan.planner import LayoutPlanner
+
+        unit_seconds = LayoutPlanner(job, load_device("cpu")).unit_seconds()
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s), use_libuv=True,
@@ -118,6 +129,8 @@ def run_elastic(
         profile_out=str(profile_out) if profile_out else None,
         profile_steps=profile_window(steps) if profile_out else (0, 0),
         peer_snapshots=peer_snapshots,
+        unit_seconds=tuple(unit_seconds or ()),
+        slowdown=tuple(slowdown),
     )
     ctx = worker_processes(fresh_interpreters)
     events = ctx.Queue()
@@ -135,6 +148,10 @@ def run_elastic(
         try:
             for proc in procs.values():
                 proc.start()
+            if pin_cores:
+                cores = sorted(os.sched_getaffinity(0))
+                for i, proc in enumerate(procs.values()):
+                    os.sched_setaffinity(proc.pid, {cores[i % len(cores)]})
         finally:
             if env_threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
@@ -151,14 +168,18 @@ def run_elastic(
     if collected.profile is not None and opts.rendezvous.backend == "gloo":
         _add_sharing(collected.profile, job, threads)
     num_params = len(global_parameter_names(job.spec.model))
+    final = collected.reconfigurations[-1]["to"] if collected.reconfigurations else None
     report = {
         "job": job.metadata.name,
         "workers": len(gens[-1].members),
-        "layout": layouts[-1].to_dict(),
+        "layout": final or layouts[-1].to_dict(),
         "steps": collected.steps,
         "reconfigurations": collected.reconfigurations,
         # per worker a shrink let go: at_step, release_s and the snapshot swap's part of it
         "releases": collected.releases,
+        # per flag the straggler watch raised or cleared, and per re-plan it made
+        "stragglers": collected.stragglers,
+        "replans": collected.replans,
         "params_sha256": params_sha256(collected.digests, num_params),
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
@@ -209,6 +230,8 @@ class _Collected(Listener):
         self.reconfigurations: list[dict[str, Any]] = []
         self.releases: list[dict[str, Any]] = []
         self.checkpoints: list[dict[str, Any]] = []
+        self.stragglers: list[dict[str, Any]] = []
+        self.replans: list[dict[str, Any]] = []
         self.ready_at: float | None = None  # when the last worker reported ready
         self.profile: str | None = None  # where the leader wrote the online profile
         self.digests: dict[int, tuple[str, str]] = {}
@@ -231,6 +254,12 @@ class _Collected(Listener):
 
     def on_reconfigured(self, event: Reconfigured) -> None:
         self.reconfigurations.append(event.record())
+
+    def on_straggler(self, event: Straggler) -> None:
+        self.stragglers.append(event.record())
+
+    def on_replanned(self, event: Replanned) -> None:
+        self.replans.append(event.record())
 
     def on_released(self, event: Released) -> None:
         self.releases.append({"worker": event.worker, **event.record()})

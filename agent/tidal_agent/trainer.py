@@ -244,6 +244,23 @@ class Trainer:
                 total += value
         return total / m_count
 
+    def layer_seconds(self) -> float | None:
+        """The median wall seconds of this rank's decoder-layer forwards since the last call
+        (None: it ran none), for straggler detection; the clocks start again. The median, as
+        a forward now and then pays for something else (a layer right after a wait runs on
+        cold caches)."""
+        seconds = []
+        for stage in self.stages.values():
+            seconds += stage.layer_clock.seconds
+            stage.layer_clock.seconds = []
+        return statistics.median(seconds) if seconds else None
+
+    def slow_down(self, factor: float) -> None:
+        """A test's deterministic straggler: every layer forward of this rank lasts ``factor``
+        times as long from now on (1: as it is)."""
+        for stage in self.stages.values():
+            stage.layer_clock.slowdown = factor
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's training state under global names: parameters and AdamW moments.
 

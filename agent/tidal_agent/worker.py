@@ -69,6 +69,7 @@ from tidal_agent.profiler import UnitProfiler, build_profile
 from tidal_agent.protocol import GenerationSource, Halt, LeaderLost, Recovery, StaticGenerations
 from tidal_agent.recovery import rebuild, save_cut
 from tidal_agent.snapshot import Cut, PeerSnapshots
+from tidal_agent.stragglers import StragglerWatch
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer
 from tidal_agent.world import (Rendezvous, World, WorldBuilder, build_world, drop_default_group,
@@ -78,6 +79,7 @@ from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation
 from tidal_plan.keepers import keepers, keepers_stay
 from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
+from tidal_plan.stragglers import StragglerDetector
 
 log = logging.getLogger("tidal.agent")
 
@@ -97,6 +99,11 @@ class WorkerOptions:
     bucket_bytes: int = 256 << 20  # in flight per worker during a reshard
     profile_out: str | None = None  # write the online profile (JSON) here
     profile_steps: tuple[int, int] = (3, 8)  # [first, last) steps profiled (profile_window)
+    # The planner's seconds per placement unit (any scale: their ratios weigh a re-plan's
+    # partition); none: the job does not re-plan around stragglers.
+    unit_seconds: tuple[float, ...] = ()
+    # A test's deterministic stragglers: (worker, first step, end step, factor) each.
+    slowdown: tuple[tuple[str, int, int, float], ...] = ()
     # Set when the pod is asked to stop (SIGTERM): a member other than the leader leaves at
     # the next step boundary, once its peer snapshot is with its keeper; the leader, which
     # hosts the rendezvous, halts the job there (its source says so: ``Halt``).
@@ -152,6 +159,8 @@ class _Worker:
         self._last_step_end: float | None = None
         self._gen: Generation | None = None  # where training is: for the fault path
         self._step = 0
+        self._stragglers = StragglerDetector(factor=spec.stragglers.factor,
+                                             steps=spec.stragglers.steps)
 
     @property
     def leader(self) -> bool:
@@ -223,18 +232,22 @@ class _Worker:
         opts, source = self.opts, self.source
         trainer, world, step = enter()
         gen = self._gen
+        watch = self._watch(trainer, step)
         following = builder = plan = None
         while step < opts.steps:
             self._step = step
             if self.snapshots is not None:
                 self.snapshots.take(world, gen.index, source.layout(gen), step,
                                     trainer.state_tensors())
+            replan = watch.boundary(step)
             leaving = self._stopping and not self.leader  # the leader's source halts the job
             if following is None:
                 following = source.following(gen, step)
                 if isinstance(following, Halt):  # (the leader's stop comes before mine)
                     self._halt(trainer, step)
                     return
+                if following is None and replan is not None:
+                    following = source.replan(gen, replan, at_step=step + 1)
                 if following is not None and not leaving:
                     # Build its world and plan while this one trains.
                     builder, plan = self._next_builder(following), self._plan(gen, following)
@@ -250,11 +263,19 @@ class _Worker:
                     return
                 gen, following = following, None
                 self._gen = gen
+                watch = self._watch(trainer, step)
                 continue
             self._train_step(trainer, step)
             step += 1
         self.events.put(Finished(worker=self.me, digests=trainer.parameter_digests(),
                                  peak_rss_bytes=peak_rss_bytes()))
+
+    def _watch(self, trainer: Trainer, step: int) -> StragglerWatch:
+        """This member's straggler watch in ``trainer``'s world, from ``step`` on."""
+        return StragglerWatch(self.spec.stragglers, me=self.me, leader=self.leader,
+                              trainer=trainer, start=step, detector=self._stragglers,
+                              unit_seconds=self.opts.unit_seconds,
+                              replans=self.source.replans, events=self.events)
 
     def _released(self, step: int) -> None:
         """Let go by a shrink at ``step``: report how long after the end of its last step it was
@@ -338,6 +359,9 @@ class _Worker:
             trainer.runtime.profiler = UnitProfiler()
         if profiling:  # unit hooks in the first profiled step; the others run plain, timed
             trainer.runtime.profiler.hooks = step == first
+        for member, begin, end, factor in self.opts.slowdown:
+            if member == self.me:
+                trainer.slow_down(factor if begin <= step < end else 1.0)
         started = time.perf_counter()
         result = trainer.step(step)
         if self.device.type == "cuda":

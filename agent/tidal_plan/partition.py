@@ -65,14 +65,23 @@ def balanced_partition(
     stages: int,
     memory: StageMemory | None = None,
     memory_cap: float = float("inf"),
+    speeds: Sequence[float] | None = None,
+    each_holds: range | None = None,
 ) -> tuple[int, ...] | None:
     """Contiguous stages minimising the slowest stage's seconds, each stage's memory capped.
+    With ``speeds`` (one per stage, relative) a stage's seconds are its units' over its speed:
+    a slower rank's stages take fewer units; ``each_holds`` then asks every stage to hold at
+    least one of those units (the decoder layers, by which a rank's speed is measured).
 
     None if no partition fits.
     """
     n = len(seconds)
     if not 1 <= stages <= n:
         return None
+    if speeds is not None:
+        if memory is not None:
+            raise ValueError("stage speeds and a memory cap together are not supported")
+        return _weighted_partition(seconds, speeds, each_holds)
 
     def feasible(limit: float) -> tuple[int, ...] | None:
         return _pack(seconds, memory, stages, limit, memory_cap)
@@ -92,6 +101,43 @@ def balanced_partition(
         if hi - lo <= 1e-6 * hi:
             break
     return best
+
+
+def _weighted_partition(seconds: Sequence[float], speeds: Sequence[float],
+                        each_holds: range | None = None) -> tuple[int, ...] | None:
+    """The contiguous partition whose slowest stage (its units' seconds over its speed) is
+    fastest, by dynamic programming over (stages, units): with unequal speeds, packing each
+    stage full is no longer optimal (a large unit pushed onto a slow stage). None if no
+    partition gives every stage a unit of ``each_holds``."""
+    n, stages = len(seconds), len(speeds)
+    if min(speeds) <= 0:
+        raise ValueError(f"stage speeds must be positive, not {list(speeds)}")
+    prefix = [0.0]
+    for t in seconds:
+        prefix.append(prefix[-1] + t)
+    inf = float("inf")
+    # best[s][j]: the slowest stage of the first s stages over the first j units; cut: where
+    # stage s starts for it.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        speed = speeds[s - 1]
+        for j in range(s, n - (stages - s) + 1):
+            for i in range(s - 1, j):
+                if each_holds is not None and (i >= each_holds.stop or j <= each_holds.start):
+                    continue  # units [i, j) hold none of them
+                value = max(best[s - 1][i], (prefix[j] - prefix[i]) / speed)
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    if best[stages][n] == inf:
+        return None
+    sizes, j = [], n
+    for s in range(stages, 0, -1):
+        i = cut[s][j]
+        sizes.append(j - i)
+        j = i
+    return tuple(reversed(sizes))
 
 
 def in_flight(kind: ScheduleKind, pp: int, rank: int, m: int, v: int) -> float:

@@ -145,6 +145,11 @@ class LayoutPlanner:
     def predict(self, layout: Layout) -> Prediction:
         return self.predictor.predict(layout)
 
+    def unit_seconds(self) -> tuple[float, ...]:
+        """Each placement unit's seconds per micro-batch (forward and backward): what a
+        re-plan for measured rank speeds weighs the units by."""
+        return tuple(u.seconds for u in self.predictor.units(self.micro_batch_size, 1))
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FlexTrainRun:

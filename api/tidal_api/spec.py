@@ -303,6 +303,29 @@ class ScalingSpec(Spec):
     )
 
 
+class StragglerSpec(Spec):
+    """Straggler detection and re-planning by measured rank speed (DESIGN.md section 2)."""
+
+    factor: float = Field(
+        1.5, gt=1, le=100, description="A worker whose decoder-layer forwards take at least "
+        "this many times the median of the other workers' is slow. Lower values catch milder "
+        "stragglers; ranks that share cores (or SMT siblings) can differ by 1.4x from the load's "
+        "pattern alone."
+    )
+    steps: int = Field(
+        5, ge=1, le=10000, description="Consecutive slow steps that flag a worker as a "
+        "straggler, and steps back under the factor that clear the flag."
+    )
+    replan: bool = Field(
+        False, description="When a flag is raised or cleared, re-partition the placement "
+        "units by the workers' measured speeds (same members, through the live switch) where "
+        "that is predicted to cut the slowest worker's time by at least minGain."
+    )
+    min_gain: float = Field(
+        0.1, ge=0, description="Least predicted gain (a fraction) a re-plan must bring."
+    )
+
+
 class CheckpointSpec(Spec):
     """Periodic distributed checkpoints, which reload into any layout."""
 
@@ -396,6 +419,10 @@ class JobSpec(Spec):
     )
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec, description="Periodic checkpoints."
+    )
+    stragglers: StragglerSpec = Field(
+        default_factory=StragglerSpec, description="Slow workers: when one is flagged, and "
+        "whether the job re-plans around it."
     )
     max_restarts: int = Field(
         3, ge=0, description="Failures the operator restarts the job after: its leader "

@@ -1,0 +1,109 @@
+"""The straggler watch: every member times its decoder layers, the leader judges and re-plans.
+
+At each step boundary every member of a world posts its seconds per decoder-layer forward of
+the step just trained (``Trainer.layer_seconds``) to the rendezvous store. The leader reads the
+posts of the step before (all made a step ago, since every member took part in the step since:
+it never waits), feeds them to a ``tidal_plan.stragglers.StragglerDetector`` and reports each
+flag raised or cleared (``Straggler``). With ``spec.stragglers.replan`` and a source that takes
+re-plans, a change of flags makes the leader price a partition for the stragglers' measured
+speeds (the others count as equally fast); one
+that gains at least ``minGain`` is written for the next boundary, where every member reads it
+(the leader wrote it a step before, so nobody waits) and the source announces a generation of
+the same members in that layout, switched to live one step later. In strict mode the re-planned
+run keeps the bits of one process, as any switch does.
+
+From a straggler's onset to the switch: ``steps`` slow steps to flag it, one step for the
+posts to reach the leader, one for the decision to reach everyone, one to build the world.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tidal_agent.events import EventSink, Replanned, Straggler
+from tidal_agent.trainer import Trainer
+from tidal_api.layout import Layout
+from tidal_api.spec import StragglerSpec
+from tidal_plan.stragglers import StragglerDetector, replan_partition
+
+log = logging.getLogger("tidal.agent")
+
+
+class StragglerWatch:
+    """One member's part in one world; the leader's detector lives on across worlds."""
+
+    def __init__(self, spec: StragglerSpec, *, me: str, leader: bool, trainer: Trainer,
+                 start: int, detector: StragglerDetector, unit_seconds: Sequence[float],
+                 replans: bool, events: EventSink) -> None:
+        self.spec, self.me, self.leader = spec, me, leader
+        self.trainer, self.start = trainer, start  # the world's first step
+        self.detector, self.events = detector, events
+        self.unit_seconds = tuple(unit_seconds)
+        self.replans = replans and spec.replan and len(self.unit_seconds) > 0
+        world = trainer.world
+        self.store, self.members = world.store, world.members
+        self._key = f"stragglers/{world.name}/{world.generation}"
+        self._pending = False  # a re-plan written, not yet switched to
+
+    def boundary(self, step: int) -> Layout | None:
+        """At the boundary before ``step``: post this member's time of ``step - 1``; the
+        leader judges ``step - 2`` and may write a re-plan for ``step + 1``. Returns the
+        layout every member re-plans to here (announced for ``step + 1``), or None."""
+        key, store = self._key, self.store
+        if step > self.start:
+            seconds = self.trainer.layer_seconds()
+            store.set(f"{key}/t/{step - 1}/{self.me}", json.dumps(seconds))
+        if self.leader:
+            decided = self._judge(step - 2) if step - 2 >= self.start else None
+            store.set(f"{key}/plan/{step + 1}", json.dumps(decided and decided.to_dict()))
+        if step <= self.start:
+            return None
+        raw = store.get(f"{key}/plan/{step}")
+        if self.leader:
+            store.delete_key(f"{key}/plan/{step - 1}")  # every member read it a step ago
+        decided = json.loads(raw)
+        return Layout(**decided) if decided else None
+
+    def _judge(self, step: int) -> Layout | None:
+        """The leader's part: flags from ``step``'s posts, and a re-plan if they changed."""
+        keys = [f"{self._key}/t/{step}/{m}" for m in self.members]
+        times = dict(zip(self.members, (json.loads(v) for v in self.store.multi_get(keys)),
+                         strict=True))
+        for k in keys:
+            self.store.delete_key(k)
+        changes = self.detector.observe(step, times)
+        for change in changes:
+            verb = "is a straggler" if change.flagged else "is no longer a straggler"
+            log.warning("step %d: %s %s (%.2fx the others' layer time)", step, change.member,
+                        verb, change.slowdown)
+            self.events.put(Straggler(worker=self.me, member=change.member, step=step,
+                                      flagged=change.flagged, slowdown=change.slowdown))
+        if not changes or not self.replans or self._pending:
+            return None
+        return self._replan(step)
+
+    def _replan(self, step: int) -> Layout | None:
+        layout = self.trainer.layout
+        # Only stragglers are planned around: a difference under the factor is the load's
+        # pattern as much as the rank's (a rank that waits more finds its caches colder).
+        flagged = self.detector.flagged
+        speeds = {m: self.detector.speed(m) if m in flagged else 1.0 for m in self.members}
+        # Replicas share the partition: each pipeline rank goes at its slowest replica's pace.
+        rank_speeds = [min(speeds[self.members[r * layout.pp + p]] for r in range(layout.dp))
+                       for p in range(layout.pp)]
+        layers = range(1, self.trainer.spec.model.layers + 1)
+        plan = replan_partition(layout, self.unit_seconds, rank_speeds, layers)
+        if plan is None or plan.partition == layout.partition or plan.gain < self.spec.min_gain:
+            return None
+        new = replace(layout, partition=plan.partition)
+        log.warning("step %d: re-planning %s -> %s for speeds %s (predicted %+.0f%%)", step,
+                    layout.describe(), new.describe(),
+                    ", ".join(f"{m} {s:.2f}" for m, s in speeds.items()), plan.gain * 100)
+        self.events.put(Replanned(worker=self.me, step=step, at_step=step + 4,
+                                  from_layout=layout, to_layout=new, speeds=speeds,
+                                  gain=plan.gain))
+        self._pending = True
+        return new

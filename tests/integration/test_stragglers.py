@@ -1,0 +1,59 @@
+"""Stragglers in a running job (issue 26): a worker made slow is flagged and cleared, and the
+job re-partitions around it through the live switch with the bits of one process."""
+
+import pytest
+
+from tests.jobs import small_job
+from tidal_agent.runner import run_local
+from tidal_plan.layout import build_layout
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+MODEL = {"layers": 8, "dModel": 128, "heads": 4, "vocab": 64, "seqLen": 32}
+TRAINING = {"steps": STEPS, "globalBatchSize": 8, "microBatchSize": 1, "seed": 3,
+            "warmupSteps": 2, "gradClip": 0.5}
+
+
+def _job(**stragglers):
+    return small_job("slow", model=MODEL, training=TRAINING,
+                     stragglers={"steps": 3, "factor": 2.0, **stragglers})
+
+
+def _layout(pp):
+    return build_layout(num_units=MODEL["layers"] + 2, workers=pp, micro_batch_size=1,
+                        num_micro_batches=8)
+
+
+def _bits(report):
+    return [s["loss_hex"] for s in report["steps"]], report["params_sha256"]
+
+
+def test_a_slow_worker_is_planned_around_and_back_with_the_bits_of_one_process():
+    alone = run_local(_job(), _layout(1), steps=STEPS, timeout_s=60)
+    # worker-1's layer forwards last 4x as long from step 4 to step 11.
+    report = run_local(_job(replan=True), _layout(2), steps=STEPS, timeout_s=60,
+                       slowdown=(("worker-1", 4, 12, 4.0),))
+    assert _bits(report) == _bits(alone)
+    flags = [(s["member"], s["flagged"]) for s in report["stragglers"]]
+    assert flags == [("worker-1", True), ("worker-1", False)]
+    flagged, cleared = report["stragglers"]
+    assert 6 <= flagged["step"] <= 8 and flagged["slowdown"] > 3
+    assert 14 <= cleared["step"] <= 16
+    there, back = report["replans"]
+    assert there["from"]["partition"] == [5, 5]
+    assert there["to"]["partition"][1] < 5 and there["gain"] > 0.3
+    assert there["speeds"]["worker-0"] == 1.0 and there["speeds"]["worker-1"] < 1 / 2.5
+    assert back["to"]["partition"] == [5, 5]
+    switches = report["reconfigurations"]
+    assert [(c["at_step"], c["workers"]) for c in switches] == [
+        (there["at_step"], [2, 2]), (back["at_step"], [2, 2])]
+    assert all(c["bytes_moved"] == c["bytes_min"] > 0 for c in switches)
+    assert report["layout"]["partition"] == [5, 5]
+
+
+def test_without_replan_a_straggler_is_only_flagged():
+    report = run_local(_job(), _layout(2), steps=8, timeout_s=60,
+                       slowdown=(("worker-0", 0, 8, 4.0),))
+    assert [(s["member"], s["flagged"]) for s in report["stragglers"]] == [("worker-0", True)]
+    assert report["replans"] == [] and report["reconfigurations"] == []
