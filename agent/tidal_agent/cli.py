@@ -199,6 +199,18 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             f"relaxed: dp changed; loss differs from the static run by at most "
             f"{d['max_abs_loss_diff']:.2e} ({d['max_rel_loss_diff']:.2e} relative)"
         )
+    for flag in result["stragglers"]:
+        _console.print(
+            f"step {flag['step']}: {flag['member']} "
+            f"{'is a straggler' if flag['flagged'] else 'is no longer a straggler'} "
+            f"({flag['slowdown']:.2f}x the others' layer time)"
+        )
+    for replan in result["replans"]:
+        _console.print(
+            f"re-plan at step {replan['step']}: partition {replan['from']['partition']} -> "
+            f"{replan['to']['partition']} from step {replan['at_step']} (predicted "
+            f"{replan['gain']:+.0%})"
+        )
     for change in result["reconfigurations"]:
         old, new = change["workers"]
         _console.print(

@@ -14,7 +14,7 @@ the kinds it reads: ``Listener.put`` is the one place that tells the kinds apart
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tidal_api.layout import Layout
@@ -43,11 +43,14 @@ class Stepped:
     seconds: float
     snapshot_s: float | None  # the boundary's swap of peer snapshots (None: they are off)
     layout: Layout
+    watch_s: float | None = None  # the boundary's straggler watch (None: it is off)
+    speeds: dict[str, float] = field(default_factory=dict)  # per member, to the fastest
 
     def record(self) -> dict[str, Any]:
         return {"step": self.step, "loss": self.loss, "loss_hex": self.loss_hex,
                 "grad_norm": self.grad_norm, "lr": self.lr, "seconds": self.seconds,
-                "snapshot_s": self.snapshot_s, "layout": self.layout.to_dict()}
+                "snapshot_s": self.snapshot_s, "watch_s": self.watch_s, "speeds": self.speeds,
+                "layout": self.layout.to_dict()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx2
-from lightkube import Client, ConfigError
+from lightkube import ApiError, Client, ConfigError, codecs
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.config.models import Cluster, User
 from lightkube.generic_resource import create_namespaced_resource
@@ -34,7 +34,7 @@ ElasticTrainingJobResource = create_namespaced_resource(
 # The leader's status fields (tidal_api.status): the only ones the agent ever writes.
 AGENT_FIELDS = frozenset({
     "generation", "members", "lost", "layout", "step", "loss", "tokens_per_second", "step_seconds",
-    "predicted_step_seconds", "last_switch_seconds", "scale_table",
+    "predicted_step_seconds", "last_switch_seconds", "scale_table", "stragglers",
 })
 
 
@@ -100,6 +100,7 @@ class ControlLink:
         self._last_patch = float("-inf")
         self._threads: list[threading.Thread] = []
         self.patches = 0  # status patches sent
+        self._uid: str | None = None  # the job's, once read: its Events name it
 
     def job(self, *, retry_for_s: float = 60.0) -> ElasticTrainingJob:
         """The job as it is now, parsed; API errors are retried for ``retry_for_s``."""
@@ -118,6 +119,7 @@ class ControlLink:
                 time.sleep(delay)
                 delay = min(2 * delay, 10.0)
         raw = _plain(obj)
+        self._uid = raw.get("metadata", {}).get("uid")
         self._take_target(raw)
         return parse_job(raw, f"ElasticTrainingJob {self.namespace}/{self.name}",
                          local_files=True)
@@ -132,6 +134,30 @@ class ControlLink:
             thread = threading.Thread(target=run, name=f"tidal-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def event(self, reason: str, message: str, *, warning: bool = False) -> None:
+        """A core/v1 Event on the job (``kubectl describe etj`` shows it), posted from a thread
+        of its own: an Event lost is logged, never in training's way."""
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+        involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name,
+                    "namespace": self.namespace, "uid": self._uid}
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"namespace": self.namespace, "name": f"{self.name}.{int(now * 1e6):x}"},
+            "involvedObject": involved, "reason": reason, "message": message[:1024],
+            "type": "Warning" if warning else "Normal",
+            "source": {"component": "tidal-agent"}, "reportingComponent": "tidal-agent",
+            "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+        }
+
+        def post() -> None:
+            try:
+                self._client.create(codecs.from_dict(event))
+            except (*_API_ERRORS, ApiError) as err:
+                log.warning("could not post event %s: %s", reason, err)
+
+        threading.Thread(target=post, name="tidal-event", daemon=True).start()
 
     def publish(self, **fields: Any) -> None:
         """Queue agent-owned status fields (snake_case names of ``tidal_api.JobStatus``).

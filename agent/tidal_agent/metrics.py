@@ -17,7 +17,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-DIRECTIONS = ("grow", "shrink")
+DIRECTIONS = ("grow", "shrink", "replan")  # replan: the same members, re-partitioned
 
 
 class JobMetrics:
@@ -49,7 +49,8 @@ class JobMetrics:
             "bytes_moved", "State bytes moved between workers by switches.", labels, **common
         ).labels(*values)
         reconfigurations = Counter(
-            "reconfigurations", "Switches of the worker count, by direction.",
+            "reconfigurations", "Switches of the layout, by direction: the worker count grew "
+            "or shrank, or the same workers re-planned around a straggler.",
             (*labels, "direction"), **common)
         self.reconfigurations = {d: reconfigurations.labels(*values, d) for d in DIRECTIONS}
         self.recoveries = Counter(
@@ -61,6 +62,12 @@ class JobMetrics:
         self.replayed_steps = Counter(
             "replayed_steps", "Steps trained again after a fault, from the peer snapshot or checkpoint resumed from.",
             labels, **common).labels(*values)
+        self.relative_speed = Gauge(
+            "relative_speed", "Each member's decoder-layer speed relative to the fastest "
+            "member's (1: as fast), the median of its newest steps.",
+            (*labels, "member"), **common)
+        self._values = values
+        self.stragglers = gauge("stragglers", "Members flagged as stragglers now.")
         self.pause = Histogram(
             "switch_pause_seconds", "Pauses of the switches.", labels, buckets=PAUSE_BUCKETS,
             **common).labels(*values)
@@ -84,6 +91,11 @@ class JobMetrics:
         self.step_seconds.set(seconds)
         self.tokens_per_second.set(tokens_per_second)
 
+    def speeds(self, speeds: dict[str, float], stragglers: int) -> None:
+        for member, speed in speeds.items():
+            self.relative_speed.labels(*self._values, member).set(speed)
+        self.stragglers.set(stragglers)
+
     def recovered(self, lost: int, replayed: int) -> None:
         self.recoveries.inc()
         self.lost_workers.inc(lost)
@@ -91,7 +103,9 @@ class JobMetrics:
 
     def switched(self, from_workers: int, to_workers: int, pause_s: float,
                  bytes_moved: int) -> None:
-        self.reconfigurations["grow" if to_workers > from_workers else "shrink"].inc()
+        direction = ("grow" if to_workers > from_workers else
+                     "shrink" if to_workers < from_workers else "replan")
+        self.reconfigurations[direction].inc()
         self.pause.observe(pause_s)
         self.last_pause.set(pause_s)
         self.bytes_moved.inc(bytes_moved)

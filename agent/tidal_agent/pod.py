@@ -230,7 +230,8 @@ def _run_record(job: str, source: ControlledGenerations, report: AgentReport) ->
         "job": job, "members": list(source.current.members), "resumed_from": source.resume_from,
         "layout": source.layout(source.current).to_dict(), "generations": report.generations,
         "steps": report.steps, "reconfigurations": report.reconfigurations,
-        "recoveries": report.recoveries,
+        "recoveries": report.recoveries, "stragglers": report.stragglers,
+        "replans": report.replans,
     }
 
 

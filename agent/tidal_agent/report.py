@@ -13,7 +13,8 @@ import statistics
 from collections import deque
 from typing import Any
 
-from tidal_agent.events import Finished, Halted, Left, Listener, Reconfigured, Recovered, Stepped
+from tidal_agent.events import (Finished, Halted, Left, Listener, Reconfigured, Recovered,
+                                Replanned, Stepped, Straggler)
 from tidal_agent.link import ControlLink
 from tidal_agent.metrics import JobMetrics
 from tidal_api.layout import Layout
@@ -42,6 +43,9 @@ class AgentReport(Listener):
         self.halted: Halted | None = None  # where the job halted, and its checkpoint
         self._recent: deque[float] = deque(maxlen=window)
         self._predicted: dict[int, float | None] = {}
+        self.stragglers: list[dict[str, Any]] = []  # every flag raised or cleared
+        self.replans: list[dict[str, Any]] = []
+        self._flagged: dict[str, Straggler] = {}  # flagged now
 
     def on_stepped(self, event: Stepped) -> None:
         self.steps.append(event.record())
@@ -52,6 +56,7 @@ class AgentReport(Listener):
         if self.metrics is not None:
             self.metrics.stepped(event.step, event.loss, event.seconds,
                                  self.tokens_per_step / seconds)
+            self.metrics.speeds(event.speeds, len(self._flagged))
         if self.link is not None:
             self.link.publish(step=event.step + 1, loss=event.loss, step_seconds=seconds,
                               tokens_per_second=self.tokens_per_step / seconds)
@@ -62,6 +67,31 @@ class AgentReport(Listener):
             self.metrics.switched(*event.workers, event.pause_s, event.bytes_moved)
         gen = Generation(index=event.generation, at_step=event.at_step, members=event.members)
         self.applied(gen, event.to_layout, switch_s=event.pause_s)
+
+    def on_straggler(self, event: Straggler) -> None:
+        self.stragglers.append(event.record())
+        if event.flagged:
+            self._flagged[event.member] = event
+        else:
+            self._flagged.pop(event.member, None)
+        if self.link is not None:
+            self.link.publish(stragglers=[
+                {"member": f.member, "slowdown": f.slowdown, "since_step": f.step}
+                for f in self._flagged.values()])
+            verb = "is a straggler" if event.flagged else "is no longer a straggler"
+            self.link.event(
+                "Straggler" if event.flagged else "StragglerRecovered",
+                f"step {event.step}: {event.member} {verb}: its decoder layers take "
+                f"{event.slowdown:.2f}x the other workers' median", warning=event.flagged)
+
+    def on_replanned(self, event: Replanned) -> None:
+        self.replans.append(event.record())
+        if self.link is not None:
+            speeds = ", ".join(f"{m} {s:.2f}" for m, s in event.speeds.items())
+            self.link.event("Replanned", f"step {event.step}: re-partitioned "
+                            f"{event.from_layout.describe()} -> {event.to_layout.describe()} "
+                            f"from step {event.at_step} for the workers' speeds ({speeds}); "
+                            f"predicted {event.gain:+.0%}")
 
     def on_recovered(self, event: Recovered) -> None:
         """The survivors of a fault go on from ``resumed_at``: the steps from there on are

@@ -92,6 +92,7 @@ def run_elastic(
     unit_seconds: tuple[float, ...] | None = None,
     slowdown: tuple[tuple[str, int, int, float], ...] = (),
     pin_cores: bool = False,
+    watch_stragglers: bool = True,
 ) -> dict[str, Any]:
     """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
@@ -102,7 +103,8 @@ def run_elastic(
     :func:`worker_processes`. ``unit_seconds`` weigh a re-plan around stragglers (where
     ``spec.stragglers.replan``; default: the modeling-based predictor's on the CPU);
     ``slowdown`` makes workers stragglers for a test (``WorkerOptions.slowdown``);
-    ``pin_cores`` puts worker i on core i modulo the cores (``os.sched_setaffinity``).
+    ``pin_cores`` puts worker i on core i modulo the cores (``os.sched_setaffinity``);
+    ``watch_stragglers=False`` turns the straggler watch off (to measure what it costs).
     """
     if unit_seconds is None and job.spec.stragglers.replan:
         from tidal_plan.devices import load_device
@@ -131,6 +133,7 @@ def run_elastic(
         peer_snapshots=peer_snapshots,
         unit_seconds=tuple(unit_seconds or ()),
         slowdown=tuple(slowdown),
+        watch_stragglers=watch_stragglers,
     )
     ctx = worker_processes(fresh_interpreters)
     events = ctx.Queue()

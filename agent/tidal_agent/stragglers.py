@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -47,11 +48,25 @@ class StragglerWatch:
         self.store, self.members = world.store, world.members
         self._key = f"stragglers/{world.name}/{world.generation}"
         self._pending = False  # a re-plan written, not yet switched to
+        self.seconds = 0.0  # the newest boundary's own time (its cost, measured)
 
     def boundary(self, step: int) -> Layout | None:
         """At the boundary before ``step``: post this member's time of ``step - 1``; the
         leader judges ``step - 2`` and may write a re-plan for ``step + 1``. Returns the
         layout every member re-plans to here (announced for ``step + 1``), or None."""
+        started = time.perf_counter()
+        try:
+            return self._boundary(step)
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def speeds(self) -> dict[str, float]:
+        """The leader's view: each member's speed relative to the fastest ({} elsewhere)."""
+        if not self.leader:
+            return {}
+        return {m: self.detector.speed(m) for m in self.members}
+
+    def _boundary(self, step: int) -> Layout | None:
         key, store = self._key, self.store
         if step > self.start:
             seconds = self.trainer.layer_seconds()

@@ -102,6 +102,7 @@ class WorkerOptions:
     # The planner's seconds per placement unit (any scale: their ratios weigh a re-plan's
     # partition); none: the job does not re-plan around stragglers.
     unit_seconds: tuple[float, ...] = ()
+    watch_stragglers: bool = True  # off: no layer times posted or judged (its cost, measured)
     # A test's deterministic stragglers: (worker, first step, end step, factor) each.
     slowdown: tuple[tuple[str, int, int, float], ...] = ()
     # Set when the pod is asked to stop (SIGTERM): a member other than the leader leaves at
@@ -239,7 +240,7 @@ class _Worker:
             if self.snapshots is not None:
                 self.snapshots.take(world, gen.index, source.layout(gen), step,
                                     trainer.state_tensors())
-            replan = watch.boundary(step)
+            replan = watch.boundary(step) if watch is not None else None
             leaving = self._stopping and not self.leader  # the leader's source halts the job
             if following is None:
                 following = source.following(gen, step)
@@ -265,13 +266,15 @@ class _Worker:
                 self._gen = gen
                 watch = self._watch(trainer, step)
                 continue
-            self._train_step(trainer, step)
+            self._train_step(trainer, step, watch)
             step += 1
         self.events.put(Finished(worker=self.me, digests=trainer.parameter_digests(),
                                  peak_rss_bytes=peak_rss_bytes()))
 
-    def _watch(self, trainer: Trainer, step: int) -> StragglerWatch:
+    def _watch(self, trainer: Trainer, step: int) -> StragglerWatch | None:
         """This member's straggler watch in ``trainer``'s world, from ``step`` on."""
+        if not self.opts.watch_stragglers:
+            return None
         return StragglerWatch(self.spec.stragglers, me=self.me, leader=self.leader,
                               trainer=trainer, start=step, detector=self._stragglers,
                               unit_seconds=self.opts.unit_seconds,
@@ -352,7 +355,7 @@ class _Worker:
             ))
         return trainer, world, gen.at_step
 
-    def _train_step(self, trainer: Trainer, step: int) -> None:
+    def _train_step(self, trainer: Trainer, step: int, watch: StragglerWatch | None) -> None:
         first, last = self.opts.profile_steps
         profiling = self.opts.profile_out is not None and first <= step < last
         if profiling and trainer.runtime.profiler is None:
@@ -375,6 +378,8 @@ class _Worker:
                 seconds=seconds,
                 snapshot_s=self.snapshots.seconds if self.snapshots is not None else None,
                 layout=trainer.layout,
+                watch_s=watch.seconds if watch is not None else None,
+                speeds=watch.speeds() if watch is not None else {},
             ))
         if profiling and step == last - 1:
             self._finish_profile(trainer)

@@ -82,6 +82,17 @@ class Arrival(_Status):
     created_at: str = Field(description="RFC 3339 creationTimestamp of the pod.")
 
 
+class Straggler(_Status):
+    """A worker the agent leader flags as a straggler (tidal_plan.stragglers)."""
+
+    member: str = Field(description="The worker pod.")
+    slowdown: float = Field(
+        gt=0, description="Its seconds per decoder-layer forward over the median of the other "
+        "workers', when it was flagged."
+    )
+    since_step: int = Field(ge=0, description="The step it was flagged at.")
+
+
 class JobStatus(_Status):
     """status of an ElasticTrainingJob; every field optional until its owner writes it."""
 
@@ -132,6 +143,10 @@ class JobStatus(_Status):
     )
     last_switch_seconds: float | None = Field(
         None, ge=0, description="Pause of the last layout switch: the overhead the policy weighs."
+    )
+    stragglers: tuple[Straggler, ...] = Field(
+        (), description="Workers that stay slower than the others by spec.stragglers.factor "
+        "(flagged after spec.stragglers.steps steps, cleared as long after they recover)."
     )
     scale_table: ScaleTable | None = Field(None, description="The planner's scale table.")
 

@@ -36,6 +36,16 @@ def test_bench_runs(script, args, keys):
     assert report["ratio"] > 0
 
 
+def test_straggler_bench_runs():
+    args = ["--steps", "12", "--onset", "3", "--rounds", "1", "--monitor-steps", "4"]
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "straggler.py"), "--tiny",
+                             *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["bits_equal"] is True  # re-planned or not, the same bits
+    assert report["monitoring"]["ratio"] > 0 and "throughput_ratio" in report
+
+
 def test_predictor_bench_runs(tmp_path):
     out = tmp_path / "predictor.json"
     result = subprocess.run(

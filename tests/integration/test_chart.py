@@ -31,7 +31,7 @@ import pytest
 import yaml
 from lightkube import Client
 from lightkube.config.kubeconfig import KubeConfig
-from lightkube.resources.core_v1 import Pod
+from lightkube.resources.core_v1 import Event, Pod
 from lightkube.types import PatchType
 
 from tests import tools
@@ -537,7 +537,7 @@ def test_helm_installs_on_the_emulator_and_kubectl_gets_what_it_created(installe
 def test_rbac_grants_exactly_what_the_operator_and_the_agent_use(installed, tmp_path):
     """The operator runs a job through creation, a scale-up and a drain-deadline scale-down
     (its pods created and deleted, its Service, status and Events written); the agent's
-    control link reads the job, watches it and publishes status. Each runs as the
+    control link reads the job, watches it, publishes status and posts an Event. Each runs as the
     ServiceAccount the chart made, told apart by its token."""
     from tidal_agent.link import ControlLink
 
@@ -594,7 +594,10 @@ def test_rbac_grants_exactly_what_the_operator_and_the_agent_use(installed, tmp_
         link.start()
         try:
             link.publish(step=7, loss=3.5)
+            link.event("Straggler", "step 7: tiny-worker-1 is a straggler", warning=True)
             wait_for("the agent's status", lambda: status().get("step") == 7, seen=status)
+            wait_for("the agent's Event", lambda: any(
+                e.reason == "Straggler" for e in admin.list(Event, namespace=ns)))
             time.sleep(0.5)  # the watch is up
         finally:
             link.close()

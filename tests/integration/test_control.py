@@ -26,13 +26,18 @@ import torch.distributed as dist
 import yaml
 from lightkube import Client
 from lightkube.config.kubeconfig import KubeConfig
+from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
+from prometheus_client import CollectorRegistry
 
 from tidal_agent import checkpoint
+from tidal_agent.events import Stepped, Straggler
 from tidal_agent.generations import ControlledGenerations, LeaderRecovering
 from tidal_agent.link import ControlError, ControlLink
 from tidal_agent.link import ElasticTrainingJobResource as ETJ
+from tidal_agent.metrics import JobMetrics
 from tidal_agent.protocol import Halt, LeaderLost
+from tidal_agent.report import AgentReport
 from tidal_api import Target, keys
 from tidal_kube.serving import load_manifests
 from tidal_plan.elastic import Generation
@@ -140,6 +145,50 @@ def test_publish_patches_only_agent_fields_and_at_most_every_interval(emulator, 
         assert status[key] == value
     with pytest.raises(ValueError, match="not agent-owned"):
         link.publish(target={"workers": 3, "generation": 1})
+
+
+def test_stragglers_go_to_status_events_and_metrics(emulator, api):
+    """The leader's report of the straggler watch: status.stragglers, an Event per flag
+    raised or cleared, and the per-member relative speed and straggler count as metrics."""
+    _create(api, _job_doc())
+    link = ControlLink("tiny", NAMESPACE, kubeconfig=emulator.url, publish_interval_s=0.1,
+                       watch_timeout_s=1)
+    link.job()
+    link.start()
+    registry = CollectorRegistry()
+    report = AgentReport(link, tokens_per_step=64,
+                         metrics=JobMetrics(registry, NAMESPACE, "tiny"))
+    labels = {"namespace": NAMESPACE, "job": "tiny"}
+    layout = build_layout(num_units=8, workers=2, micro_batch_size=2, num_micro_batches=8)
+    try:
+        report.put(Straggler(worker="tiny-worker-0", member="tiny-worker-1", step=12,
+                             flagged=True, slowdown=2.125))
+        report.put(Stepped(worker="tiny-worker-0", step=13, loss=1.0, loss_hex="", grad_norm=1.0,
+                           lr=1e-3, seconds=0.5, snapshot_s=None, layout=layout,
+                           speeds={"tiny-worker-0": 1.0, "tiny-worker-1": 0.5}))
+        flagged = [{"member": "tiny-worker-1", "slowdown": 2.125, "sinceStep": 12}]
+        _until(lambda: _status(api).get("stragglers") == flagged, 10, "the flag in status")
+        assert registry.get_sample_value(
+            "tidal_agent_relative_speed", {**labels, "member": "tiny-worker-1"}) == 0.5
+        assert registry.get_sample_value("tidal_agent_stragglers", labels) == 1
+
+        report.put(Straggler(worker="tiny-worker-0", member="tiny-worker-1", step=20,
+                             flagged=False, slowdown=1.1))
+        _until(lambda: _status(api).get("stragglers") == [], 10, "the flag cleared")
+
+        def events():
+            return sorted((e.reason, e.type, e.message) for e in api.list(Event, namespace=NAMESPACE)
+                          if e.involvedObject.name == "tiny")
+
+        _until(lambda: len(events()) == 2, 10, "two Events")
+        assert events() == [
+            ("Straggler", "Warning", "step 12: tiny-worker-1 is a straggler: its decoder layers "
+             "take 2.12x the other workers' median"),
+            ("StragglerRecovered", "Normal", "step 20: tiny-worker-1 is no longer a straggler: "
+             "its decoder layers take 1.10x the other workers' median"),
+        ]
+    finally:
+        link.close()
 
 
 def test_api_errors_are_retried_not_raised(emulator, api):
