@@ -308,6 +308,18 @@ def _print_table(table) -> None:
         Console().print(dropped)
 
 
+def _slowdown(text: str | None) -> tuple[int, int, float] | None:
+    """``--slowdown FIRST:END:FACTOR``, checked."""
+    if text is None:
+        return None
+    try:
+        first, end, factor = text.split(":")
+        return int(first), int(end), float(factor)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected FIRST:END:FACTOR, e.g. 4:12:3.0",
+                                 param_hint="'--slowdown'") from None
+
+
 @main.command()
 @click.option("--kubeconfig", help="A kubeconfig file or an API server URL (default: the pod's service account, then $KUBECONFIG).")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Torch threads; the same in every pod (determinism).")
@@ -318,8 +330,9 @@ def _print_table(table) -> None:
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True, help="auto: nccl where CUDA is available, else gloo.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent peer or rendezvous is an error.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="TIDAL_METRICS_PORT", help="Serve Prometheus metrics on this port (also $TIDAL_METRICS_PORT; 0 or unset: off).")
+@click.option("--slowdown", hidden=True, help="Tests only: FIRST:END:FACTOR makes this pod a straggler, its decoder-layer forwards FACTOR times as long in steps [FIRST, END).")
 def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, backend,
-          timeout_s, metrics_port) -> None:
+          timeout_s, metrics_port, slowdown) -> None:
     """Run this pod's worker of an ElasticTrainingJob, as the operator starts it.
 
     The pod's identity comes from TIDAL_JOB, TIDAL_NAMESPACE, TIDAL_POD, TIDAL_RENDEZVOUS_HOST
@@ -346,7 +359,7 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
         result = run_agent(identity, kubeconfig=kubeconfig, threads=threads, steps=steps,
                            plan_device=plan_device, publish_interval_s=publish_interval_s,
                            timeout_s=timeout_s, backend=backend, report_path=report,
-                           metrics_port=metrics_port)
+                           metrics_port=metrics_port, slowdown=_slowdown(slowdown))
     except (ControlError, JobSpecError, LayoutError, DeviceError, LeaderLost) as err:
         raise click.ClickException(str(err)) from None
     if "params_sha256" in result:

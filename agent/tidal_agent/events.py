@@ -113,10 +113,11 @@ class Straggler:
     step: int
     flagged: bool
     slowdown: float  # its seconds per decoder layer over the median of the others'
+    release: bool = False  # the job is predicted faster without it: the operator may drop it
 
     def record(self) -> dict[str, Any]:
         return {"member": self.member, "step": self.step, "flagged": self.flagged,
-                "slowdown": self.slowdown}
+                "slowdown": self.slowdown, "release": self.release}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

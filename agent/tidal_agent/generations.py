@@ -55,13 +55,13 @@ Chooser = Callable[[int], tuple[Layout, float | None]]
 
 
 def _gen_json(gen: Generation, layout: Layout) -> dict[str, Any]:
-    return {"index": gen.index, "at_step": gen.at_step, "members": list(gen.members),
-            "layout": layout.to_dict()}
+    return {"index": gen.index, "revision": gen.revision, "at_step": gen.at_step,
+            "members": list(gen.members), "layout": layout.to_dict()}
 
 
 def _gen_from(data: Mapping[str, Any]) -> tuple[Generation, Layout]:
     gen = Generation(index=data["index"], at_step=data["at_step"],
-                     members=tuple(data["members"]))
+                     members=tuple(data["members"]), revision=data.get("revision", 0))
     return gen, Layout(**data["layout"])
 
 
@@ -132,7 +132,7 @@ class ControlledGenerations:
         self.lost_after_s, self.fault_wait_s = lost_after_s, fault_wait_s
         self.rescue_wait_s = rescue_wait_s
         self.run = uuid.uuid4().hex[:12] if me == leader else ""  # this run of the job
-        self._layouts: dict[int, Layout] = {}
+        self._layouts: dict[tuple[int, int], Layout] = {}
         self.current: Generation | None = None  # the leader's newest generation
         self.applied = -1  # the newest target generation acted on (the leader's)
         self._skipped: tuple[Target, str] | None = None  # the last target not applied, and why
@@ -152,7 +152,7 @@ class ControlledGenerations:
         return self._leader
 
     def layout(self, gen: Generation) -> Layout:
-        return self._layouts[gen.index]
+        return self._layouts[gen.key]
 
     def _beat(self, store: dist.Store, every_s: float) -> None:
         """Advance ``beat/<me>`` until this pod leaves: how the leader tells a lost member
@@ -194,13 +194,13 @@ class ControlledGenerations:
             time.sleep(self.poll_s)
         data = json.loads(self.store.get(key))
         gen, layout = _gen_from(data)
-        self._layouts[gen.index] = layout
+        self._layouts[gen.key] = layout
         self.recoveries = data.get("recoveries", 0)
         self.run = data.get("run", "")
         previous = None
         if data.get("previous"):
             previous, old_layout = _gen_from(data["previous"])
-            self._layouts[previous.index] = old_layout
+            self._layouts[previous.key] = old_layout
         else:
             self.resume_from = data.get("checkpoint")
         return gen, previous
@@ -213,7 +213,7 @@ class ControlledGenerations:
             self.resume_from = str(saved[1])
         gen = Generation(index=0, at_step=saved[0] if saved else 0, members=members)
         layout, predicted = self._choose(len(members))
-        self._layouts[0] = layout
+        self._layouts[gen.key] = layout
         for pod in members[1:]:
             self.store.set(f"gen/{pod}", json.dumps({**_gen_json(gen, layout), "previous": None,
                                                      "checkpoint": self.resume_from,
@@ -266,7 +266,7 @@ class ControlledGenerations:
             if "halt" in data:
                 return Halt(data["halt"])
             following, layout = _gen_from(data)
-            self._layouts[following.index] = layout
+            self._layouts[following.key] = layout
             return self._switching(following, step)
         if self.stop is not None and self.stop.is_set():  # the job cannot go on without me
             log.warning("asked to stop: the job halts at step %d", step)
@@ -276,7 +276,7 @@ class ControlledGenerations:
         if following is None:
             self.store.set(key, "null")
         else:
-            layout = self._layouts[following.index]
+            layout = self._layouts[following.key]
             announced = {**_gen_json(following, layout),
                          "previous": _gen_json(gen, self.layout(gen))}
             for pod in following.members:  # a joiner also learns the recoveries so far, which
@@ -293,10 +293,24 @@ class ControlledGenerations:
 
     @property
     def replans(self) -> bool:
-        return False  # generations are numbered by the operator's targets
+        return True
+
+    @property
+    def drops(self) -> bool:
+        return True  # status.stragglers[].release asks the operator
 
     def replan(self, gen: Generation, layout: Layout, *, at_step: int) -> Generation:
-        raise NotImplementedError("the operator's generations take no re-plans")
+        """A re-plan: the operator's generation ``gen.index`` under its next revision (the
+        operator numbers membership changes only). Every member calls it at the same
+        boundary, having read the same re-plan, and none announces it."""
+        following = replace(gen, revision=gen.revision + 1, at_step=at_step)
+        self._layouts[following.key] = layout
+        if self.me == self._leader:
+            self.current = following
+            log.info("step %d: generation %d revision %d (%s) in %s", at_step - 1,
+                     following.index, following.revision, list(following.members),
+                     layout.describe())
+        return following
 
     def _switching(self, following: Generation, step: int) -> Generation:
         """``following``, announced at ``step``; remember the boundary if it switches there."""
@@ -343,7 +357,7 @@ class ControlledGenerations:
             log.error("no recovery: %s", decision["abort"])
             raise error
         gen, layout = _gen_from(decision["generation"])
-        self._layouts[gen.index] = layout
+        self._layouts[gen.key] = layout
         cut = Cut.from_json(decision["snapshot"]) if decision.get("snapshot") else None
         source = ("peer snapshots" if cut is not None else decision["checkpoint"]
                   or "from scratch")
@@ -426,7 +440,7 @@ class ControlledGenerations:
             log.warning("no whole peer snapshot and no complete checkpoint to recover from: the "
                         "survivors start afresh from step 0 (set spec.checkpoint to lose less)")
         gen = Generation(index=index, at_step=resume, members=survivors)
-        self._layouts[index] = layout
+        self._layouts[gen.key] = layout
         self.current, self.applied = gen, index
         self.lost.update(lost)
         if self._report is not None:
@@ -488,7 +502,7 @@ class ControlledGenerations:
         except (TargetError, LayoutError) as err:
             self._skip(target, f"cannot apply it: {err}", level=logging.ERROR)
             return None
-        self._layouts[following.index] = layout
+        self._layouts[following.key] = layout
         if self._report is not None:
             self._report.planned(following.index, predicted)
         self.applied = target.generation

@@ -81,10 +81,12 @@ def run_agent(
     backend: str = "gloo",
     report_path: str | Path | None = None,
     metrics_port: int | None = None,
+    slowdown: tuple[int, int, float] | None = None,
 ) -> dict[str, Any]:
     """Train as ``identity.pod`` until the job's last step or until released; the leader
     returns (and writes to ``report_path``) the run's report, other pods what they saw.
-    With ``metrics_port``, Prometheus metrics (tidal_agent.metrics) are served on it."""
+    With ``metrics_port``, Prometheus metrics (tidal_agent.metrics) are served on it;
+    ``slowdown`` (first step, end step, factor) makes this pod a straggler, for tests."""
     link = ControlLink(identity.job, identity.namespace, kubeconfig=kubeconfig,
                        publish_interval_s=publish_interval_s)
     metrics = AgentMetrics(namespace=identity.namespace, job=identity.job, pod=identity.pod,
@@ -97,7 +99,7 @@ def run_agent(
                 raise ControlError(f"cannot serve metrics on port {metrics_port}: {err}") from err
         return _run(identity, link, threads=threads, steps=steps, plan_device=plan_device,
                     timeout_s=timeout_s, backend=backend, report_path=report_path,
-                    metrics=metrics.job)
+                    metrics=metrics.job, slowdown=slowdown)
     finally:
         link.close()
         metrics.close()
@@ -105,7 +107,8 @@ def run_agent(
 
 def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int | None,
          plan_device: str, timeout_s: float, backend: str,
-         report_path: str | Path | None, metrics: JobMetrics | None) -> dict[str, Any]:
+         report_path: str | Path | None, metrics: JobMetrics | None,
+         slowdown: tuple[int, int, float] | None = None) -> dict[str, Any]:
     job = link.job()
     spec = job.spec
     if spec.gpus_per_worker != 1:
@@ -151,6 +154,8 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         rendezvous=rendezvous, steps=steps, threads=threads,
         checkpoint_root=spec.checkpoint.path, checkpoint_every=spec.checkpoint.every_steps,
         peer_snapshots=spec.checkpoint.peer_snapshots, stop=stop,
+        unit_seconds=planner.unit_seconds() if spec.stragglers.replan else (),
+        slowdown=((identity.pod, *slowdown),) if slowdown else (),
     )
     train(identity.pod, spec, opts, report, source)
     if leading and report.halted is not None:

@@ -85,6 +85,10 @@ class GenerationSource(Protocol):
         """The generation after ``gen``: the same members in ``layout`` (the straggler watch
         re-planned, every member at the same boundary), from ``at_step``."""
 
+    @property
+    def drops(self) -> bool:
+        """Whether a straggler may be handed back (the operator releases it on request)."""
+
     def recover(self, me: str, trained: Generation, step: int, error: Exception,
                 held: dict[str, Any] | None = None) -> Recovery | None:
         """``me`` failed at ``step`` in generation ``trained`` with ``error``, holding the peer
@@ -138,6 +142,10 @@ class StaticGenerations:
     def replans(self) -> bool:
         # A joiner of a later scheduled generation would not know of the re-plans before it.
         return len(self.generations) == 1
+
+    @property
+    def drops(self) -> bool:
+        return False  # the schedule is fixed up front
 
     def replan(self, gen: Generation, layout: Layout, *, at_step: int) -> Generation:
         following = Generation(index=gen.index + 1, at_step=at_step, members=gen.members)

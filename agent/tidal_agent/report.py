@@ -67,6 +67,7 @@ class AgentReport(Listener):
             self.metrics.switched(*event.workers, event.pause_s, event.bytes_moved)
         gen = Generation(index=event.generation, at_step=event.at_step, members=event.members)
         self.applied(gen, event.to_layout, switch_s=event.pause_s)
+        self._forget_stragglers(event.members)
 
     def on_straggler(self, event: Straggler) -> None:
         self.stragglers.append(event.record())
@@ -75,14 +76,27 @@ class AgentReport(Listener):
         else:
             self._flagged.pop(event.member, None)
         if self.link is not None:
-            self.link.publish(stragglers=[
-                {"member": f.member, "slowdown": f.slowdown, "since_step": f.step}
-                for f in self._flagged.values()])
+            self._publish_stragglers()
             verb = "is a straggler" if event.flagged else "is no longer a straggler"
+            ask = ("; the job is predicted faster without it: asking the operator to release it"
+                   if event.release else "")
             self.link.event(
                 "Straggler" if event.flagged else "StragglerRecovered",
                 f"step {event.step}: {event.member} {verb}: its decoder layers take "
-                f"{event.slowdown:.2f}x the other workers' median", warning=event.flagged)
+                f"{event.slowdown:.2f}x the other workers' median{ask}", warning=event.flagged)
+
+    def _publish_stragglers(self) -> None:
+        self.link.publish(stragglers=[
+            {"member": f.member, "slowdown": f.slowdown, "since_step": f.step,
+             "release": f.release} for f in self._flagged.values()])
+
+    def _forget_stragglers(self, members: tuple[str, ...]) -> None:
+        """Flags of members that left (released, lost) are nobody's business any more."""
+        gone = [m for m in self._flagged if m not in members]
+        for member in gone:
+            del self._flagged[member]
+        if gone and self.link is not None:
+            self._publish_stragglers()
 
     def on_replanned(self, event: Replanned) -> None:
         self.replans.append(event.record())
@@ -107,6 +121,7 @@ class AgentReport(Listener):
                 p for r in self.recoveries for p in r["lost"])))
         gen = Generation(index=event.generation, at_step=resumed, members=event.members)
         self.applied(gen, event.layout, switch_s=event.pause_s)
+        self._forget_stragglers(event.members)
 
     def on_finished(self, event: Finished) -> None:
         self.digests = event.digests

@@ -53,8 +53,10 @@ class Cut:
     senders: Mapping[str, str]
 
     @property
-    def key(self) -> tuple[int, int, tuple[str, ...]]:
-        return (self.generation, self.step, self.members)
+    def key(self) -> tuple[int, int, tuple[str, ...], Layout]:
+        # The layout too: a re-plan's boundary has two cuts of one generation and step, the
+        # same state in two layouts.
+        return (self.generation, self.step, self.members, self.layout)
 
     def to_json(self) -> dict[str, Any]:
         return {"generation": self.generation, "members": list(self.members),
@@ -201,7 +203,7 @@ def choose_cut(summaries: Mapping[str, Mapping[str, Any]]) -> Cut | None:
         for copy in summary.get("ward", ()):
             kept.setdefault(_key(copy), {}).setdefault(copy["of"], pod)
     for key in sorted(found, key=lambda k: (k[1], k[0]), reverse=True):
-        generation, step, members = key
+        generation, step, members, _ = key
         senders = {}
         for member in members:
             if member in summaries:
@@ -216,5 +218,5 @@ def choose_cut(summaries: Mapping[str, Mapping[str, Any]]) -> Cut | None:
     return None
 
 
-def _key(copy: Mapping[str, Any]) -> tuple[int, int, tuple[str, ...]]:
-    return (copy["generation"], copy["step"], tuple(copy["members"]))
+def _key(copy: Mapping[str, Any]) -> tuple[int, int, tuple[str, ...], Layout]:
+    return (copy["generation"], copy["step"], tuple(copy["members"]), Layout(**copy["layout"]))

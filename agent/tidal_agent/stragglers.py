@@ -28,7 +28,7 @@ from tidal_agent.events import EventSink, Replanned, Straggler
 from tidal_agent.trainer import Trainer
 from tidal_api.layout import Layout
 from tidal_api.spec import StragglerSpec
-from tidal_plan.stragglers import StragglerDetector, replan_partition
+from tidal_plan.stragglers import StragglerDetector, drop_beats_keeping, replan_partition
 
 log = logging.getLogger("tidal.agent")
 
@@ -38,12 +38,13 @@ class StragglerWatch:
 
     def __init__(self, spec: StragglerSpec, *, me: str, leader: bool, trainer: Trainer,
                  start: int, detector: StragglerDetector, unit_seconds: Sequence[float],
-                 replans: bool, events: EventSink) -> None:
+                 replans: bool, drops: bool, events: EventSink) -> None:
         self.spec, self.me, self.leader = spec, me, leader
         self.trainer, self.start = trainer, start  # the world's first step
         self.detector, self.events = detector, events
         self.unit_seconds = tuple(unit_seconds)
         self.replans = replans and spec.replan and len(self.unit_seconds) > 0
+        self.drops = drops and self.replans  # an operator to hand a straggler back to
         world = trainer.world
         self.store, self.members = world.store, world.members
         self._key = f"stragglers/{world.name}/{world.generation}"
@@ -92,23 +93,41 @@ class StragglerWatch:
         changes = self.detector.observe(step, times)
         for change in changes:
             verb = "is a straggler" if change.flagged else "is no longer a straggler"
-            log.warning("step %d: %s %s (%.2fx the others' layer time)", step, change.member,
-                        verb, change.slowdown)
+            release = change.flagged and self._better_without(change.member)
+            log.warning("step %d: %s %s (%.2fx the others' layer time)%s", step, change.member,
+                        verb, change.slowdown, "; asking to release it" if release else "")
             self.events.put(Straggler(worker=self.me, member=change.member, step=step,
-                                      flagged=change.flagged, slowdown=change.slowdown))
+                                      flagged=change.flagged, slowdown=change.slowdown,
+                                      release=release))
         if not changes or not self.replans or self._pending:
             return None
         return self._replan(step)
 
-    def _replan(self, step: int) -> Layout | None:
-        layout = self.trainer.layout
+    def _rank_speeds(self, layout: Layout) -> tuple[dict[str, float], list[float]]:
+        """Each member's speed (the stragglers' measured, the others' 1) and each pipeline
+        rank's, at its slowest replica's pace (replicas share the partition)."""
         # Only stragglers are planned around: a difference under the factor is the load's
         # pattern as much as the rank's (a rank that waits more finds its caches colder).
         flagged = self.detector.flagged
         speeds = {m: self.detector.speed(m) if m in flagged else 1.0 for m in self.members}
-        # Replicas share the partition: each pipeline rank goes at its slowest replica's pace.
         rank_speeds = [min(speeds[self.members[r * layout.pp + p]] for r in range(layout.dp))
                        for p in range(layout.pp)]
+        return speeds, rank_speeds
+
+    def _better_without(self, member: str) -> bool:
+        """Whether the operator should release ``member``: it is not the leader (which hosts
+        the rendezvous) and a pipeline without it is predicted faster by minGain than the
+        current ranks re-planned for their speeds (dp 1)."""
+        layout = self.trainer.layout
+        if not self.drops or member == self.members[0] or layout.dp != 1:
+            return False
+        _, rank_speeds = self._rank_speeds(layout)
+        return drop_beats_keeping(layout, self.unit_seconds, rank_speeds,
+                                  self.members.index(member), self.spec.min_gain)
+
+    def _replan(self, step: int) -> Layout | None:
+        layout = self.trainer.layout
+        speeds, rank_speeds = self._rank_speeds(layout)
         layers = range(1, self.trainer.spec.model.layers + 1)
         plan = replan_partition(layout, self.unit_seconds, rank_speeds, layers)
         if plan is None or plan.partition == layout.partition or plan.gain < self.spec.min_gain:

@@ -216,13 +216,13 @@ class _Worker:
         self._gen, self._step = gen, gen.at_step
         if previous is None:
             resume = self.source.resume_from
-            world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
+            world = build_world(opts.rendezvous, gen.index, gen.members, self.me, name=gen.world)
             trainer = self._trainer(gen, world, initialise=resume is None)
             step = checkpoint.load(trainer, resume) if resume else gen.at_step
             self.events.put(Ready(worker=self.me, step=step))
         else:  # a joiner: standby in the new world until the old members arrive
             self.events.put(Ready(worker=self.me, step=None))
-            world = build_world(opts.rendezvous, gen.index, gen.members, self.me)
+            world = build_world(opts.rendezvous, gen.index, gen.members, self.me, name=gen.world)
             trainer = self._trainer(gen, world, initialise=False)
             self._reshard(self._plan(previous, gen), world, None, trainer)
             step = gen.at_step
@@ -278,7 +278,8 @@ class _Worker:
         return StragglerWatch(self.spec.stragglers, me=self.me, leader=self.leader,
                               trainer=trainer, start=step, detector=self._stragglers,
                               unit_seconds=self.opts.unit_seconds,
-                              replans=self.source.replans, events=self.events)
+                              replans=self.source.replans, drops=self.source.drops,
+                              events=self.events)
 
     def _released(self, step: int) -> None:
         """Let go by a shrink at ``step``: report how long after the end of its last step it was
@@ -417,7 +418,8 @@ class _Worker:
         """Start building the next generation's world now, while this one trains."""
         if self.me not in following.members:
             return None
-        return WorldBuilder(self.opts.rendezvous, following.index, following.members, self.me)
+        return WorldBuilder(self.opts.rendezvous, following.index, following.members, self.me,
+                            name=following.world)
 
     def _plan(self, old: Generation, new: Generation) -> ReshardPlan:
         """A switch's reshard plan, made ahead of it rather than during the pause."""
@@ -463,7 +465,7 @@ class _Worker:
         cut whose leavers' state their keepers send, if every leaver's keeper stays; else None
         (no snapshots, or two leavers next to each other in the ring): the leavers send."""
         leavers = [m for m in old.members if m not in new.members]
-        if self.snapshots is None or not keepers_stay(old.members, leavers):
+        if self.snapshots is None or not leavers or not keepers_stay(old.members, leavers):
             return None
         keeper = keepers(old.members)
         return Cut(generation=old.index, members=old.members, layout=self.source.layout(old),

@@ -30,9 +30,23 @@ class TargetError(ValueError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Generation:
+    """Who trains from ``at_step`` on. ``index`` numbers the membership changes (the operator's
+    target generations); ``revision`` the re-plans of one membership around stragglers (the
+    same members, another layout), which the operator does not number."""
+
     index: int
     at_step: int
     members: tuple[str, ...]
+    revision: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.index, self.revision)
+
+    @property
+    def world(self) -> str:
+        """The name of its world (with the index, a store prefix of its own)."""
+        return "train" if self.revision == 0 else f"replan{self.revision}"
 
 
 def parse_worker_schedule(text: str, *, steps: int, max_workers: int) -> list[tuple[int, int]]:

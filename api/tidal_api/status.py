@@ -91,6 +91,10 @@ class Straggler(_Status):
         "workers', when it was flagged."
     )
     since_step: int = Field(ge=0, description="The step it was flagged at.")
+    release: bool = Field(
+        False, description="The agent asks the operator to release it: a pipeline without it "
+        "is predicted faster than the re-planned one with it (never the leader)."
+    )
 
 
 class JobStatus(_Status):

@@ -220,6 +220,7 @@ class Controller:
                             else spec.scaling.switch_overhead_seconds),
             enabled=spec.scaling.enabled,
             placement=Placement.of(spec.template.node_selector, spec.template.tolerations),
+            slow=tuple(f"{view.namespace}/{s.member}" for s in status.stragglers if s.release),
         )
 
     def _job_pods(self, view: JobView) -> dict[str, Pod]:

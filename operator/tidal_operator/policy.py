@@ -21,6 +21,9 @@ workers back to it, whatever else is pending, idle or due: the minimum is what t
 admitted with, and the GPUs of its lost pods were its own. New workers that find no free GPUs
 are pending pods like any other: the scale-down makes room for them.
 
+**Drop a straggler** where its job's agent asks (see :func:`_drop_stragglers`), when no pod is
+pending: a scale-down releasing it, by the scale-down's rules.
+
 **Scale up** only when no pod is pending, GPUs are idle and no elastic worker pod waits for a
 node (GPUs promised to a joiner are not counted twice); see :func:`_scale_up`.
 
@@ -43,6 +46,7 @@ from tidal_operator.snapshot import FINISHED_PHASES, ElasticJob, Pod, Snapshot
 IDLE_GPUS = "IdleGPUs"
 PENDING_GPU_PODS = "PendingGPUPods"
 BELOW_MINIMUM = "BelowMinimum"
+STRAGGLER = "Straggler"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,7 +101,10 @@ def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
         return restored + tuple(_released(job) for job in shrunk)
     if joiner_unbound or restored:
         return restored
-    return _scale_up(snapshot, FreeGPUs(free), now, where)
+    dropped = _drop_stragglers(snapshot)
+    busy = {d.job for d in dropped}
+    grown = _scale_up(snapshot, FreeGPUs(free), now, where, skip=busy)
+    return dropped + grown
 
 
 def _restore(snapshot: Snapshot, free: dict[str, int], where: Where) -> tuple[Decision, ...]:
@@ -130,13 +137,39 @@ def _restore(snapshot: Snapshot, free: dict[str, int], where: Where) -> tuple[De
     return tuple(decisions)
 
 
+def _drop_stragglers(snapshot: Snapshot) -> tuple[Decision, ...]:
+    """Release the stragglers the agents ask to drop (``status.stragglers[].release``: the
+    agent predicts that the pipeline without one is faster than the one re-planned around
+    it), one per job and round, through the normal scale-down: never the leader, never below
+    the minimum, only to a worker count the scale table keeps. A busy job waits."""
+    decisions = []
+    for job in sorted(snapshot.jobs, key=lambda j: j.key):
+        slow = [m for m in job.slow if m in job.members[1:]]
+        if job.busy or not slow or job.workers - 1 < job.min_workers or job.scale_table is None:
+            continue
+        rows = Rows.of(job.scale_table)
+        if job.workers - 1 not in rows.workers or rows.at_most(job.workers) < 0:
+            continue
+        # The table's figures assume equal workers: what the job would lose without a straggler.
+        table_gain = rows.tps[rows.workers.index(job.workers - 1)] / rows.tps[
+            rows.at_most(job.workers)] - 1
+        decisions.append(Decision(
+            job=job.key, kind="scale_down", from_workers=job.workers,
+            to_workers=job.workers - 1, reason=STRAGGLER, release=(slow[0],), gain=table_gain,
+            message=(f"{slow[0]} is a straggler that the agent predicts the job runs faster "
+                     f"without: releasing it, {job.workers} -> {job.workers - 1} workers "
+                     f"({table_gain:+.1%} tokens/s by the table, which assumes equal workers)"),
+        ))
+    return tuple(decisions)
+
+
 def arrival_rate(arrivals: list[float], now: float, window: float) -> float:
     """Non-elastic arrivals per second over ``[now - window, now]``; ``arrivals`` sorted."""
     return (bisect_right(arrivals, now) - bisect_left(arrivals, now - window)) / window
 
 
 def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
-              where: Where) -> tuple[Decision, ...]:
+              where: Where, skip: frozenset[str] | set[str] = frozenset()) -> tuple[Decision, ...]:
     """Give idle GPUs to the jobs with the fewest workers first (then by key).
 
     For each job in turn: the rows above its count, up to its cap (maxWorkers and maxScaleFactor
@@ -159,6 +192,8 @@ def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
     for job in sorted(snapshot.jobs, key=lambda j: (j.workers, j.key)):
         if free.idle <= 0:
             break
+        if job.key in skip:
+            continue
         decision = _grow(job, free, where(job.placement), arrivals, snapshot.window_seconds,
                          now)
         if decision is not None:

@@ -155,7 +155,7 @@ class ElasticJob:
     ``last_scale_time`` is ``status.lastScaleTime`` in epoch seconds.
     ``arrival_window_seconds`` is ``spec.scaling.arrivalWindowSeconds``. ``placement`` is
     the worker pods' (``spec.template``'s node selector and tolerations): new workers go only
-    to nodes it allows.
+    to nodes it allows. ``slow`` names the stragglers the agent asks to release.
     """
 
     key: str
@@ -176,6 +176,8 @@ class ElasticJob:
     last_scale_time: float | None = None
     switch_seconds: float = 30.0
     placement: Placement = ANYWHERE
+    # Members the agent asks to release as stragglers (status.stragglers[].release).
+    slow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:

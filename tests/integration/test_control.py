@@ -166,7 +166,8 @@ def test_stragglers_go_to_status_events_and_metrics(emulator, api):
         report.put(Stepped(worker="tiny-worker-0", step=13, loss=1.0, loss_hex="", grad_norm=1.0,
                            lr=1e-3, seconds=0.5, snapshot_s=None, layout=layout,
                            speeds={"tiny-worker-0": 1.0, "tiny-worker-1": 0.5}))
-        flagged = [{"member": "tiny-worker-1", "slowdown": 2.125, "sinceStep": 12}]
+        flagged = [{"member": "tiny-worker-1", "slowdown": 2.125, "sinceStep": 12,
+                    "release": False}]
         _until(lambda: _status(api).get("stragglers") == flagged, 10, "the flag in status")
         assert registry.get_sample_value(
             "tidal_agent_relative_speed", {**labels, "member": "tiny-worker-1"}) == 0.5
@@ -555,7 +556,7 @@ class _Pods:
         self.port = _free_port()
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, index: int) -> str:
+    def start(self, index: int, *extra: str) -> str:
         pod = f"{self.job}-worker-{index}"
         env = {**os.environ, keys.ENV_JOB: self.job, keys.ENV_NAMESPACE: NAMESPACE,
                keys.ENV_POD: pod, keys.ENV_RENDEZVOUS_HOST: "127.0.0.1",
@@ -564,6 +565,7 @@ class _Pods:
                 "--timeout", "60"]
         if index == 0 and self.report:
             args += ["--report", str(self.report)]
+        args += extra
         with open(self.logs / f"{pod}.log", "w") as log:
             self.procs[pod] = subprocess.Popen(args, env=env, stdout=log,
                                                stderr=subprocess.STDOUT, cwd=ROOT)
@@ -675,6 +677,51 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
     # w1's peer snapshot is with its keeper w2, which stays: w1 left at the boundary.
     assert [c["released_at_once"] for c in report["reconfigurations"]] == [False, True]
     assert pps == [2] * switches[0] + [3] * (switches[1] - switches[0]) + [2] * (steps - switches[1])
+    _assert_bits_of_a_static_run(report, doc, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_agents_replan_around_a_straggler_bitwise_as_a_static_run(emulator, api, tmp_path):
+    """tiny-worker-2 made 20x slower from step 4 to 13 (the agent's test hook): the leader flags
+    it (status, an Event) and, a pipeline without it being predicted faster, asks the operator
+    to release it (status.stragglers[].release; no operator runs here). Meanwhile it
+    re-partitions the same members under the operator's generation 0 (a revision the operator
+    does not number), and back once the worker recovers, with the bits of a static run."""
+    steps = 36
+    doc = _job_doc(steps=steps)
+    doc["spec"]["workers"]["min"] = 3
+    doc["spec"]["stragglers"] = {"steps": 3, "factor": 2.0, "replan": True, "minGain": 0.05}
+    _create(api, doc)
+    pods = _Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json")
+    observer = _Observer(api)
+    w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
+    try:
+        pods.start(2, "--slowdown", "4:14:20.0")
+        pods.start(1)
+        pods.start(0)
+        flagged = observer.until(lambda s: s.get("stragglers"), 120, "the straggler in status")
+        assert [(f["member"], f["release"]) for f in flagged["stragglers"]] == [(w2, True)]
+        _finish(pods, observer, (w0, w1, w2), steps)
+    finally:
+        observer.stop()
+        pods.stop()
+    assert observer.seen[-1]["stragglers"] == []
+    assert {s.get("generation") for s in observer.seen if "members" in s} == {0}
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(f["member"], f["flagged"], f["release"]) for f in report["stragglers"]] == [
+        (w2, True, True), (w2, False, False)]
+    there, back = report["replans"]
+    assert there["to"]["partition"][2] < there["from"]["partition"][2]
+    assert back["to"]["partition"][2] > there["to"]["partition"][2]
+    partitions = [s["layout"]["partition"] for s in observer.seen if "layout" in s]
+    assert there["to"]["partition"] in partitions and partitions[-1] == back["to"]["partition"]
+    assert [(c["at_step"], c["workers"]) for c in report["reconfigurations"]] == [
+        (there["at_step"], [3, 3]), (back["at_step"], [3, 3])]
+    events = {e.reason: e.message for e in api.list(Event, namespace=NAMESPACE)
+              if e.involvedObject.name == "tiny"}
+    assert "asking the operator to release it" in events["Straggler"]
+    assert {"StragglerRecovered", "Replanned"} <= set(events)
     _assert_bits_of_a_static_run(report, doc, steps)
 
 

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal_operator.policy import BELOW_MINIMUM, IDLE_GPUS, PENDING_GPU_PODS, Decision, decide
+from tidal_operator.policy import (BELOW_MINIMUM, IDLE_GPUS, PENDING_GPU_PODS, STRAGGLER, Decision,
+                                   decide)
 from tidal_operator.snapshot import (
     ANYWHERE, ElasticJob, Node, Placement, Pod, Snapshot, Taint, Toleration,
 )
@@ -279,6 +280,32 @@ RESTORE = [
 
 @pytest.mark.parametrize(("snapshot", "expected"), RESTORE)
 def test_restore(snapshot, expected):
+    check(decide(snapshot, NOW), expected)
+
+
+STRAGGLERS = [
+    pytest.param(cluster({"a": 4}, job("j", on="aaa", slow=("j-1",))),
+                 [dict(job="j", kind="scale_down", from_workers=3, to_workers=2,
+                       release=("j-1",), reason=STRAGGLER)],
+                 id="released-on-the-agents-request-before-any-scale-up"),
+    pytest.param(cluster({"a": 8}, job("j", on="aaa", slow=("j-2",)), job("k", on="a")),
+                 [dict(job="j", release=("j-2",)), dict(job="k", kind="scale_up")],
+                 id="other-jobs-still-grow"),
+    pytest.param(cluster({"a": 3}, job("j", on="aaa", slow=("j-0",))), [],
+                 id="never-the-leader"),
+    pytest.param(cluster({"a": 2}, job("j", on="aa", min_workers=2, slow=("j-1",))), [],
+                 id="never-below-the-minimum"),
+    pytest.param(cluster({"a": 3}, job("j", on="aaa", slow=("j-1",), busy=True)), [],
+                 id="a-busy-job-applies-its-target-first"),
+    pytest.param(cluster({"a": 4}, job("j", on="aaa", slow=("j-1",)),
+                         others=[waiting("p", 2)]),
+                 [dict(job="j", reason=PENDING_GPU_PODS, release=("j-2",))],
+                 id="a-pending-pod-comes-first"),
+]
+
+
+@pytest.mark.parametrize(("snapshot", "expected"), STRAGGLERS)
+def test_drop_stragglers(snapshot, expected):
     check(decide(snapshot, NOW), expected)
 
 
