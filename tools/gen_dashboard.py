@@ -125,9 +125,18 @@ def dashboard() -> Dashboard:
         "Loss", "Training loss of the last step.", (f"tidal_agent_loss{{{JOB}}}", "loss")))
     board.with_panel(chart(
         "Step time: predicted vs measured",
-        "The last step's seconds against the planner's prediction for the running layout.",
+        "The last step's seconds against the planner's prediction for the running layout: "
+        "the modeling-based one, then the running job's own profile's once its first steps "
+        "are profiled.",
         (f"tidal_agent_step_seconds{{{JOB}}}", "measured"),
         (f"tidal_agent_predicted_step_seconds{{{JOB}}}", "predicted"), unit="s"))
+    board.with_panel(chart(
+        "Worker speed",
+        "Each worker's decoder-layer speed relative to the fastest (1: as fast), and the "
+        "workers flagged as stragglers (details in the job's Events).",
+        (f"tidal_agent_relative_speed{{{JOB}}}", "{{member}}"),
+        (f"tidal_agent_stragglers{{{JOB}}}", "stragglers"),
+    ))
     board.with_panel(chart(
         "Scale decisions",
         "The operator's decisions for this job in each interval, restarts included (details "

@@ -81,7 +81,7 @@ def main() -> None:
 @click.option("--partition", help="Force units per stage, e.g. 2,3,1.")
 @click.option("--workers-schedule", "workers_schedule", help="Change the worker count live: STEP:WORKERS,... e.g. 0:2,4:3,8:4.")
 @click.option("--reshard-bucket-mib", "bucket_mib", type=click.IntRange(min=1), default=256, show_default=True, help="Memory cap per worker for state in flight during a live switch.")
-@click.option("--profile", "profile_out", type=click.Path(dir_okay=False), help="Profile steps 3-7 online (1 to the last in shorter runs) and write per-unit costs (JSON) here.")
+@click.option("--profile", "profile_out", type=click.Path(dir_okay=False), help="Write the online profile (per-unit costs, JSON) here, with the host's sharing probe; every run profiles steps 3-7 of each generation (1 to the last in shorter ones) anyway.")
 @click.option("--resume", help="Resume from a checkpoint directory, or 'latest' under spec.checkpoint.path.")
 @click.option("--plan-profile", "plan_profile", type=click.Path(dir_okay=False), help="Plan layouts from this online profile (default: the modeling-based predictor).")
 @click.option("--plan-device", default="cpu", show_default=True, help="Device description for the modeling-based predictor: h100, cpu or a JSON file (cpu: what the workers here train on; tidal plan's default is h100).")
@@ -138,8 +138,16 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             profile_window(steps)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="'--steps'") from None
+    import tempfile
+
+    scratch = tempfile.TemporaryDirectory(prefix="tidal-profile-")  # unasked profiles go here
+    profile_to = profile_out or (str(Path(scratch.name) / "profile.json") if steps >= 3 else None)
+    from tidal_plan.predictors import ProfiledPredictor
+
+    profiled: list[dict] = []  # per profile: layout, steps, the profiled prediction
     # torch, after the checks: bad input gets its line in a fraction of a second.
-    from tidal_agent.runner import RunError, layout_report, loss_divergence, run_elastic, run_local
+    from tidal_agent.runner import (RunError, layout_report, loss_divergence, profile_accuracy,
+                                    run_elastic, run_local)
     from tidal_agent.trainer import batch_source
 
     try:  # the data's errors in one line, before any worker starts
@@ -163,18 +171,35 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
 
         def on_step(event: dict) -> None:
             rate = tokens_per_step / event["seconds"]
+            predicted = next((p["predicted_s"] for p in reversed(profiled)
+                              if p["layout"] == event["layout"]), None)
             progress.console.print(
                 f"step {event['step']:5d}  pp{event['layout']['pp']}  loss {event['loss']:.4f}  "
                 f"{event['seconds'] * 1e3:7.1f} ms  {rate:10,.0f} tok/s"
+                + (f"  (profiled {predicted * 1e3:.1f} ms)" if predicted else "")
             )
             # completed, not advance: a resumed run starts past step 0
             progress.update(task, completed=event["step"] + 1, description=f"loss {event['loss']:.4f}")
+
+        def on_profile(event) -> None:
+            try:
+                profile = load_profile(event.path)
+            except ProfileError as err:
+                progress.console.print(f"profile of steps {event.steps}: not usable: {err}")
+                return
+            predicted = ProfiledPredictor(profile, job.spec.model.seq_len).predict(
+                event.layout).step_seconds
+            profiled.append({"layout": event.layout.to_dict(), "steps": list(event.steps),
+                             "predicted_s": predicted})
+            progress.console.print(
+                f"profiled steps {event.steps[0]}-{event.steps[1] - 1} of "
+                f"{event.layout.describe()}: predicted {predicted * 1e3:.1f} ms/step")
 
         try:
             result = run_elastic(
                 job, gens, layouts, steps=steps, on_step=on_step,
                 timeout_s=timeout_s, resume_from=resume_from, bucket_bytes=bucket_mib << 20,
-                profile_out=profile_out,
+                profile_out=profile_to, sharing_probe=bool(profile_out), on_profile=on_profile,
             )
             relaxed = job.spec.parallelism.consistency == "relaxed"
             if relaxed and len({lay.dp for lay in layouts}) > 1:
@@ -188,6 +213,12 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             raise click.ClickException(first) from None
     result["layouts"] = layout_report(gens, layouts, result["steps"], predicted,
                                       planner.predictor.name)
+    result["accuracy"] = profile_accuracy(profiled, result["steps"])
+    if not profile_out:  # the scratch profiles are gone with the run
+        result["profile"] = None
+        for entry in result["profiles"]:
+            entry.pop("path")
+    scratch.cleanup()
     if result.get("profile"):
         _console.print(f"profile: {result['profile']}")
     if report:
@@ -220,9 +251,17 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     for entry in result["layouts"]:
         if entry["measured_step_s"] is not None:
             _console.print(
-                f"from step {entry['at_step']}: predicted {entry['predicted_step_s'] * 1e3:.1f} ms,"
-                f" measured {entry['measured_step_s'] * 1e3:.1f} ms ({entry['error']:+.0%})"
+                f"from step {entry['at_step']}: predicted {entry['predicted_step_s'] * 1e3:.1f} ms"
+                f" ({entry['predictor']}), measured {entry['measured_step_s'] * 1e3:.1f} ms "
+                f"({entry['error']:+.0%})"
             )
+    accuracy = result["accuracy"]
+    if accuracy["layouts"]:
+        _console.print(
+            f"profiled predictor, after each profile: median error "
+            f"{accuracy['median_abs_error']:.1%}, worst {accuracy['worst_abs_error']:.1%} "
+            f"over {len(accuracy['layouts'])} layout(s)"
+        )
     times = sorted(e["seconds"] for e in result["steps"])
     median = times[len(times) // 2]
     _console.print(
@@ -330,9 +369,10 @@ def _slowdown(text: str | None) -> tuple[int, int, float] | None:
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True, help="auto: nccl where CUDA is available, else gloo.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent peer or rendezvous is an error.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="TIDAL_METRICS_PORT", help="Serve Prometheus metrics on this port (also $TIDAL_METRICS_PORT; 0 or unset: off).")
+@click.option("--profiled-table/--modeled-table", "profiled_table", default=True, show_default=True, help="Publish the scale table planned from the running job's own profile (both predictors) once each generation's first steps are profiled, or keep the modeling-based one (for GPUs that share CPU cores, as tidal local's do: the profile would see the cores).")
 @click.option("--slowdown", hidden=True, help="Tests only: FIRST:END:FACTOR makes this pod a straggler, its decoder-layer forwards FACTOR times as long in steps [FIRST, END).")
 def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, backend,
-          timeout_s, metrics_port, slowdown) -> None:
+          timeout_s, metrics_port, profiled_table, slowdown) -> None:
     """Run this pod's worker of an ElasticTrainingJob, as the operator starts it.
 
     The pod's identity comes from TIDAL_JOB, TIDAL_NAMESPACE, TIDAL_POD, TIDAL_RENDEZVOUS_HOST
@@ -359,7 +399,8 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
         result = run_agent(identity, kubeconfig=kubeconfig, threads=threads, steps=steps,
                            plan_device=plan_device, publish_interval_s=publish_interval_s,
                            timeout_s=timeout_s, backend=backend, report_path=report,
-                           metrics_port=metrics_port, slowdown=_slowdown(slowdown))
+                           metrics_port=metrics_port, profiled_table=profiled_table,
+                           slowdown=_slowdown(slowdown))
     except (ControlError, JobSpecError, LayoutError, DeviceError, LeaderLost) as err:
         raise click.ClickException(str(err)) from None
     if "params_sha256" in result:

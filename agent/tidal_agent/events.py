@@ -68,10 +68,13 @@ class Checkpointed:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Profiled:
-    """The leader wrote the online profile (JSON) to ``path``."""
+    """The leader wrote the online profile (JSON) of ``layout``'s steps ``[first, last)`` to
+    ``path``."""
 
     worker: str
     path: str
+    layout: Layout
+    steps: tuple[int, int]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

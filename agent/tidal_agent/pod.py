@@ -12,22 +12,27 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from tidal_agent.events import Profiled
 from tidal_agent.generations import ControlledGenerations
 from tidal_agent.link import ControlError, ControlLink
 from tidal_agent.metrics import AgentMetrics, JobMetrics
 from tidal_agent.model import global_parameter_names
 from tidal_agent.report import AgentReport
+from tidal_agent.runner import profile_accuracy
 from tidal_agent.trainer import params_sha256
 from tidal_agent.worker import WorkerOptions, train
 from tidal_agent.world import Rendezvous
@@ -36,6 +41,8 @@ from tidal_api.layout import Layout, LayoutError
 from tidal_plan.devices import Device, load_device
 from tidal_plan.elastic import data_parallel_degree
 from tidal_plan.planner import LayoutPlanner, plan_job
+from tidal_plan.predictors import ProfiledPredictor
+from tidal_plan.profiled import ProfileError, load_profile
 
 log = logging.getLogger("tidal.agent")
 
@@ -81,11 +88,14 @@ def run_agent(
     backend: str = "gloo",
     report_path: str | Path | None = None,
     metrics_port: int | None = None,
+    profiled_table: bool = True,
     slowdown: tuple[int, int, float] | None = None,
 ) -> dict[str, Any]:
     """Train as ``identity.pod`` until the job's last step or until released; the leader
     returns (and writes to ``report_path``) the run's report, other pods what they saw.
-    With ``metrics_port``, Prometheus metrics (tidal_agent.metrics) are served on it;
+    With ``metrics_port``, Prometheus metrics (tidal_agent.metrics) are served on it; with
+    ``profiled_table`` the leader publishes the scale table planned from each generation's
+    online profile (else the modeling-based one stays);
     ``slowdown`` (first step, end step, factor) makes this pod a straggler, for tests."""
     link = ControlLink(identity.job, identity.namespace, kubeconfig=kubeconfig,
                        publish_interval_s=publish_interval_s)
@@ -99,7 +109,7 @@ def run_agent(
                 raise ControlError(f"cannot serve metrics on port {metrics_port}: {err}") from err
         return _run(identity, link, threads=threads, steps=steps, plan_device=plan_device,
                     timeout_s=timeout_s, backend=backend, report_path=report_path,
-                    metrics=metrics.job, slowdown=slowdown)
+                    metrics=metrics.job, profiled_table=profiled_table, slowdown=slowdown)
     finally:
         link.close()
         metrics.close()
@@ -108,6 +118,7 @@ def run_agent(
 def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int | None,
          plan_device: str, timeout_s: float, backend: str,
          report_path: str | Path | None, metrics: JobMetrics | None,
+         profiled_table: bool = True,
          slowdown: tuple[int, int, float] | None = None) -> dict[str, Any]:
     job = link.job()
     spec = job.spec
@@ -150,14 +161,21 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         link.start()
         threading.Thread(target=_publish_scale_table, args=(link, job, device),
                          name="tidal-plan", daemon=True).start()
+        report.on_profile = partial(_replan_from_profile, link, job, device,
+                                    publish_table=profiled_table)
+    scratch = tempfile.mkdtemp(prefix="tidal-profile-")  # this pod's profiles
     opts = WorkerOptions(
         rendezvous=rendezvous, steps=steps, threads=threads,
         checkpoint_root=spec.checkpoint.path, checkpoint_every=spec.checkpoint.every_steps,
         peer_snapshots=spec.checkpoint.peer_snapshots, stop=stop,
         unit_seconds=planner.unit_seconds() if spec.stragglers.replan else (),
+        profile_out=str(Path(scratch) / "profile.json"),
         slowdown=((identity.pod, *slowdown),) if slowdown else (),
     )
-    train(identity.pod, spec, opts, report, source)
+    try:
+        train(identity.pod, spec, opts, report, source)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if leading and report.halted is not None:
         _halt(identity, source, report, store, report_path, timeout_s)
     if report.digests is not None:  # a final member: the leader hashes all parameters
@@ -237,7 +255,25 @@ def _run_record(job: str, source: ControlledGenerations, report: AgentReport) ->
         "steps": report.steps, "reconfigurations": report.reconfigurations,
         "recoveries": report.recoveries, "stragglers": report.stragglers,
         "replans": report.replans,
+        "accuracy": profile_accuracy(report.profiled, report.steps),
     }
+
+
+def _replan_from_profile(link: ControlLink, job: ElasticTrainingJob, device: Device,
+                         event: Profiled, *, publish_table: bool) -> float | None:
+    """A generation's online profile is in: with ``publish_table`` the scale table again,
+    from both predictors (the profiling-based one choosing, the modeling-based one checking,
+    rows where they disagree dropped), published; the profiled prediction of the running
+    layout returned."""
+    try:
+        profile = load_profile(event.path)
+        if publish_table:
+            table, _ = plan_job(job, device, profile=profile)
+            link.publish(scale_table=table)
+    except (ProfileError, LayoutError, ValueError) as err:
+        log.error("no scale table from the profile of steps %s: %s", event.steps, err)
+        return None
+    return ProfiledPredictor(profile, job.spec.model.seq_len).predict(event.layout).step_seconds
 
 
 def _publish_scale_table(link: ControlLink, job: ElasticTrainingJob, device: Device) -> None:

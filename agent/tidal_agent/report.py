@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-from tidal_agent.events import (Finished, Halted, Left, Listener, Reconfigured, Recovered,
-                                Replanned, Stepped, Straggler)
+from tidal_agent.events import (Finished, Halted, Left, Listener, Profiled, Reconfigured,
+                                Recovered, Replanned, Stepped, Straggler)
 from tidal_agent.link import ControlLink
 from tidal_agent.metrics import JobMetrics
 from tidal_api.layout import Layout
@@ -46,6 +48,11 @@ class AgentReport(Listener):
         self.stragglers: list[dict[str, Any]] = []  # every flag raised or cleared
         self.replans: list[dict[str, Any]] = []
         self._flagged: dict[str, Straggler] = {}  # flagged now
+        # per online profile: layout, steps [first, last), the profiled prediction
+        self.profiled: list[dict[str, Any]] = []
+        # Called with each profile on the leader (in a thread of its own): the profiled
+        # prediction of its layout, or None; the scale table goes out from there too.
+        self.on_profile: Callable[[Profiled], float | None] | None = None
 
     def on_stepped(self, event: Stepped) -> None:
         self.steps.append(event.record())
@@ -122,6 +129,25 @@ class AgentReport(Listener):
         gen = Generation(index=event.generation, at_step=resumed, members=event.members)
         self.applied(gen, event.layout, switch_s=event.pause_s)
         self._forget_stragglers(event.members)
+
+    def on_profiled(self, event: Profiled) -> None:
+        if self.on_profile is None:
+            return
+        threading.Thread(target=self._profiled, args=(event,), name="tidal-profile",
+                         daemon=True).start()
+
+    def _profiled(self, event: Profiled) -> None:
+        predicted = self.on_profile(event)
+        if predicted is None:
+            return
+        self.profiled.append({"layout": event.layout.to_dict(), "steps": list(event.steps),
+                              "predicted_s": predicted})
+        log.info("profiled steps %d-%d of %s: predicted %.1f ms/step", event.steps[0],
+                 event.steps[1] - 1, event.layout.describe(), predicted * 1e3)
+        if self.metrics is not None:
+            self.metrics.predicted_step_seconds.set(predicted)
+        if self.link is not None:
+            self.link.publish(predicted_step_seconds=predicted)
 
     def on_finished(self, event: Finished) -> None:
         self.digests = event.digests

@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import statistics
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ from tidal_agent.events import (Checkpointed, Failed, Finished, Left, Listener, 
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
 from tidal_agent.trainer import params_sha256
-from tidal_agent.worker import WorkerOptions, profile_window, worker_main
+from tidal_agent.worker import WorkerOptions, worker_main
 from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob
 from tidal_api.layout import Layout
@@ -93,6 +94,8 @@ def run_elastic(
     slowdown: tuple[tuple[str, int, int, float], ...] = (),
     pin_cores: bool = False,
     watch_stragglers: bool = True,
+    sharing_probe: bool = True,
+    on_profile: Callable[[Profiled], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
@@ -105,6 +108,9 @@ def run_elastic(
     ``slowdown`` makes workers stragglers for a test (``WorkerOptions.slowdown``);
     ``pin_cores`` puts worker i on core i modulo the cores (``os.sched_setaffinity``);
     ``watch_stragglers=False`` turns the straggler watch off (to measure what it costs).
+    With ``profile_out`` every generation profiles its first steps (``on_profile`` hears of
+    each), and the first profile gets the host's sharing probe unless ``sharing_probe`` is
+    off.
     """
     if unit_seconds is None and job.spec.stragglers.replan:
         from tidal_plan.devices import load_device
@@ -129,7 +135,6 @@ def run_elastic(
         checkpoint_every=job.spec.checkpoint.every_steps,
         bucket_bytes=bucket_bytes,
         profile_out=str(profile_out) if profile_out else None,
-        profile_steps=profile_window(steps) if profile_out else (0, 0),
         peer_snapshots=peer_snapshots,
         unit_seconds=tuple(unit_seconds or ()),
         slowdown=tuple(slowdown),
@@ -161,14 +166,14 @@ def run_elastic(
             else:
                 os.environ["OMP_NUM_THREADS"] = env_threads
     try:
-        collected = _collect(procs, events, on_step, timeout_s)
+        collected = _collect(procs, events, on_step, timeout_s, on_profile)
     finally:
         for proc in procs.values():
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    if collected.profile is not None and opts.rendezvous.backend == "gloo":
+    if collected.profile is not None and sharing_probe and opts.rendezvous.backend == "gloo":
         _add_sharing(collected.profile, job, threads)
     num_params = len(global_parameter_names(job.spec.model))
     final = collected.reconfigurations[-1]["to"] if collected.reconfigurations else None
@@ -187,7 +192,9 @@ def run_elastic(
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
         "peak_rss_bytes": dict(sorted(collected.peak_rss.items())),
-        "profile": collected.profile,
+        "profile": collected.profile,  # the first generation's
+        # per profile (each generation's first steps): path, layout, steps [first, last)
+        "profiles": collected.profiles,
         # launch to every worker ready: interpreters, worlds, trainers, checkpoint load
         "startup_s": (collected.ready_at or float("nan")) - started,
         "seconds_total": time.perf_counter() - started,
@@ -227,8 +234,9 @@ def _add_sharing(profile_path: str, job: ElasticTrainingJob, threads: int) -> No
 class _Collected(Listener):
     """What the workers' events say, as the run's report needs it; a failure stops the run."""
 
-    def __init__(self, procs, on_step: StepCallback | None) -> None:
-        self.procs, self.on_step = procs, on_step
+    def __init__(self, procs, on_step: StepCallback | None,
+                 on_profile: Callable[[Profiled], None] | None = None) -> None:
+        self.procs, self.on_step, self.on_profile = procs, on_step, on_profile
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
         self.releases: list[dict[str, Any]] = []
@@ -236,7 +244,8 @@ class _Collected(Listener):
         self.stragglers: list[dict[str, Any]] = []
         self.replans: list[dict[str, Any]] = []
         self.ready_at: float | None = None  # when the last worker reported ready
-        self.profile: str | None = None  # where the leader wrote the online profile
+        self.profile: str | None = None  # where the leader wrote the first online profile
+        self.profiles: list[dict[str, Any]] = []
         self.digests: dict[int, tuple[str, str]] = {}
         self.finished: set[str] = set()  # workers done or gone
         self.peak_rss: dict[str, int] = {}  # per worker that said, its peak resident bytes
@@ -271,7 +280,11 @@ class _Collected(Listener):
         self.checkpoints.append(event.record())
 
     def on_profiled(self, event: Profiled) -> None:
-        self.profile = event.path
+        self.profile = self.profile or event.path
+        self.profiles.append({"path": event.path, "layout": event.layout.to_dict(),
+                              "steps": list(event.steps)})
+        if self.on_profile is not None:
+            self.on_profile(event)
 
     def on_finished(self, event: Finished) -> None:
         self.digests.update(event.digests)
@@ -288,9 +301,10 @@ class _Collected(Listener):
             self.ready_at = time.perf_counter()
 
 
-def _collect(procs, events, on_step: StepCallback | None, timeout_s: float) -> _Collected:
+def _collect(procs, events, on_step: StepCallback | None, timeout_s: float,
+             on_profile: Callable[[Profiled], None] | None = None) -> _Collected:
     """Read worker events until every worker has finished or left; fail fast on any error."""
-    out = _Collected(procs, on_step)
+    out = _Collected(procs, on_step, on_profile)
     last_event = time.monotonic()
     while len(out.finished) < len(procs):
         try:
@@ -356,6 +370,33 @@ def layout_report(
             "error": (predicted[i] / measured - 1) if predicted[i] and measured else None,
         })
     return out
+
+
+def profile_accuracy(profiled: list[dict[str, Any]], steps: list[dict[str, Any]]
+                     ) -> dict[str, Any]:
+    """How well each online profile predicted its own layout: per profile (``layout``,
+    ``steps`` [first, last) and ``predicted_s``), the median step seconds measured after its
+    window for as long as that layout ran, and the error; their median and worst."""
+    layouts = []
+    for entry in profiled:
+        after = []
+        for step in steps:
+            if step["step"] < entry["steps"][1]:
+                continue
+            if step["layout"] != entry["layout"]:
+                if after:
+                    break  # the next layout
+                continue
+            after.append(step["seconds"])
+        if not after:
+            continue
+        measured = statistics.median(after)
+        layouts.append({**entry, "measured_s": measured, "steps_measured": len(after),
+                        "error": entry["predicted_s"] / measured - 1})
+    errors = sorted(abs(e["error"]) for e in layouts)
+    return {"layouts": layouts,
+            "median_abs_error": statistics.median(errors) if errors else None,
+            "worst_abs_error": errors[-1] if errors else None}
 
 
 def loss_divergence(run: dict[str, Any], static: dict[str, Any]) -> dict[str, Any]:

@@ -97,8 +97,9 @@ class WorkerOptions:
     checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
     peer_snapshots: bool = False  # copy the state to a ring neighbour at every step boundary
     bucket_bytes: int = 256 << 20  # in flight per worker during a reshard
-    profile_out: str | None = None  # write the online profile (JSON) here
-    profile_steps: tuple[int, int] = (3, 8)  # [first, last) steps profiled (profile_window)
+    # Profile each generation's first steps online (profile_window from its start) and write
+    # the first profile (JSON) here, the later ones beside it (profile_path).
+    profile_out: str | None = None
     # The planner's seconds per placement unit (any scale: their ratios weigh a re-plan's
     # partition); none: the job does not re-plan around stragglers.
     unit_seconds: tuple[float, ...] = ()
@@ -121,6 +122,14 @@ def profile_window(steps: int) -> tuple[int, int]:
                          f"one); the run has {steps}")
     last = min(8, steps)
     return max(1, last - 5), last
+
+
+def profile_path(first: str, n: int) -> str:
+    """Where the ``n``-th profile of a run goes (0: ``first``; then ``<stem>.<n><suffix>``)."""
+    if n == 0:
+        return first
+    path = Path(first)
+    return str(path.with_name(f"{path.stem}.{n}{path.suffix}"))
 
 
 def worker_main(me: str, spec_json: str, opts: WorkerOptions, events: EventSink) -> None:
@@ -162,6 +171,8 @@ class _Worker:
         self._step = 0
         self._stragglers = StragglerDetector(factor=spec.stragglers.factor,
                                              steps=spec.stragglers.steps)
+        self._window = (0, 0)  # the steps [first, last) this generation profiles
+        self._profiles = 0  # written so far (the leader's)
 
     @property
     def leader(self) -> bool:
@@ -234,6 +245,7 @@ class _Worker:
         trainer, world, step = enter()
         gen = self._gen
         watch = self._watch(trainer, step)
+        self._profile_from(step)
         following = builder = plan = None
         while step < opts.steps:
             self._step = step
@@ -265,11 +277,22 @@ class _Worker:
                 gen, following = following, None
                 self._gen = gen
                 watch = self._watch(trainer, step)
+                self._profile_from(step)
                 continue
             self._train_step(trainer, step, watch)
             step += 1
         self.events.put(Finished(worker=self.me, digests=trainer.parameter_digests(),
                                  peak_rss_bytes=peak_rss_bytes()))
+
+    def _profile_from(self, start: int) -> None:
+        """A generation trains from ``start``: profile its first steps (after the switch's cold
+        ones), as long as the run has steps enough; every member computes the same window."""
+        remaining = self.opts.steps - start
+        if self.opts.profile_out is None or remaining < 3:
+            self._window = (0, 0)
+            return
+        first, last = profile_window(remaining)
+        self._window = (start + first, start + last)
 
     def _watch(self, trainer: Trainer, step: int) -> StragglerWatch | None:
         """This member's straggler watch in ``trainer``'s world, from ``step`` on."""
@@ -357,8 +380,8 @@ class _Worker:
         return trainer, world, gen.at_step
 
     def _train_step(self, trainer: Trainer, step: int, watch: StragglerWatch | None) -> None:
-        first, last = self.opts.profile_steps
-        profiling = self.opts.profile_out is not None and first <= step < last
+        first, last = self._window
+        profiling = first <= step < last
         if profiling and trainer.runtime.profiler is None:
             trainer.runtime.profiler = UnitProfiler()
         if profiling:  # unit hooks in the first profiled step; the others run plain, timed
@@ -404,15 +427,18 @@ class _Worker:
                 "collectives_s": time_collectives(trainer),
                 "calibration": calibrate_trainer(trainer)}
         store = trainer.world.store
-        key = f"profile/gen{trainer.world.generation}"
+        key = f"profile/{trainer.world.name}{trainer.world.generation}"
         store.set(f"{key}/{trainer.world.rank}", json.dumps(part))
         if not self.leader:
             return
         parts = [json.loads(store.get(f"{key}/{r}")) for r in range(trainer.world.size)]
-        profile = build_profile(parts, trainer.layout, self.opts.profile_steps, self.spec.model)
-        Path(self.opts.profile_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(self.opts.profile_out).write_text(json.dumps(profile, indent=2) + "\n")
-        self.events.put(Profiled(worker=self.me, path=self.opts.profile_out))
+        profile = build_profile(parts, trainer.layout, self._window, self.spec.model)
+        path = Path(profile_path(self.opts.profile_out, self._profiles))
+        self._profiles += 1
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile, indent=2) + "\n")
+        self.events.put(Profiled(worker=self.me, path=str(path), layout=trainer.layout,
+                                 steps=self._window))
 
     def _next_builder(self, following: Generation) -> WorldBuilder | None:
         """Start building the next generation's world now, while this one trains."""

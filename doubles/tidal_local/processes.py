@@ -214,8 +214,10 @@ class AgentProcesses:
         if command[0] == "tidal":  # the image's entry point: this installation's
             command[0] = str(self.tidal)
         meta = pod["metadata"]
+        # The modeling-based table: these "GPUs" are processes on the machine's few cores,
+        # which the job's own profile would see (more workers, no faster).
         return [*command, "--kubeconfig", str(self.kubeconfig), "--threads", "1",
-                "--publish-interval", str(self.publish_interval_s),
+                "--modeled-table", "--publish-interval", str(self.publish_interval_s),
                 "--report", str(self.report_path(meta["namespace"], meta["name"]))]
 
     def _environment(self, pod: Obj) -> dict[str, str]:

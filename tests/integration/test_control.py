@@ -667,6 +667,12 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
     assert final["predictedStepSeconds"] > 0 and final["lastSwitchSeconds"] > 0
     table = ScaleTable.model_validate(final["scaleTable"])
     assert [r.workers for r in table.rows] + [d.workers for d in table.dropped] == [2, 3, 4]
+    # The table and the prediction come from the running job's own profile (issue 26): each
+    # generation long enough profiles its first steps, the leader plans again from it.
+    assert {r.predictor for r in table.rows} == {"profiled"}
+    profiled = json.loads((tmp_path / "report.json").read_text())["accuracy"]["layouts"]
+    assert profiled and profiled[-1]["layout"]["pp"] == 2
+    assert final["predictedStepSeconds"] == profiled[-1]["predicted_s"]
     assert final["target"]["generation"] == 2  # the operator's field, left alone
 
     # Every step ran once, in the generation's layout; the bits are a static run's.

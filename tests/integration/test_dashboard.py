@@ -110,7 +110,8 @@ class WorkerPods:
                     keys.ENV_RENDEZVOUS_PORT: str(self.rendezvous_port), "OMP_NUM_THREADS": "1"})
         base = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
         command = [str(BIN / container.command[0]), *container.command[1:],
-                   "--kubeconfig", str(self.kubeconfig), "--publish-interval", "0.5",
+                   "--kubeconfig", str(self.kubeconfig), "--modeled-table",  # as tidal local
+                   "--publish-interval", "0.5",
                    "--timeout", "90", "--metrics-port", str(self.metrics_ports[name])]
         with (self.logs / f"{name}.log").open("w") as log:
             self.procs[name] = subprocess.Popen(command, env={**base, **env}, stdout=log,

@@ -82,6 +82,7 @@ def _exported(registry) -> set[str]:
 def test_every_series_the_dashboard_queries_is_exported():
     """A misspelt metric would only show as an empty panel: check names against registries."""
     agent = AgentMetrics(namespace="ns", job="j", pod="j-worker-0", leader=True)
+    agent.job.speeds({"j-worker-0": 1.0}, 0)  # per member: its series come with the members
     operator = Metrics()
     operator.observe_job("ns", "j", workers=2, target_workers=2, generation=0)
     exported = _exported(agent.registry) | _exported(operator.registry)
