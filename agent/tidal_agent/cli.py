@@ -7,8 +7,10 @@ and ``tidal plan`` and ``--help`` need no torch.
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -138,9 +140,9 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             profile_window(steps)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="'--steps'") from None
-    import tempfile
-
     scratch = tempfile.TemporaryDirectory(prefix="tidal-profile-")  # unasked profiles go here
+    click.get_current_context().call_on_close(scratch.cleanup)
+    atexit.register(_stop_worker_server)
     profile_to = profile_out or (str(Path(scratch.name) / "profile.json") if steps >= 3 else None)
     from tidal_plan.predictors import ProfiledPredictor
 
@@ -218,7 +220,6 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
         result["profile"] = None
         for entry in result["profiles"]:
             entry.pop("path")
-    scratch.cleanup()
     if result.get("profile"):
         _console.print(f"profile: {result['profile']}")
     if report:
@@ -270,6 +271,18 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     )
     if report:
         _console.print(f"report: {report}")
+
+
+def _stop_worker_server() -> None:
+    """Stop the server the workers were forked from (tidal_agent.runner.worker_processes)
+    before this process exits: on its own it goes about a second later, after whoever
+    waited for ``tidal run`` to end has looked for what it left running."""
+    from multiprocessing import forkserver
+
+    try:
+        forkserver._forkserver._stop()  # private, and the only way to wait for it
+    except FileNotFoundError:  # its socket's directory went first: the server is gone anyway
+        pass
 
 
 @main.command()

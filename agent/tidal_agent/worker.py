@@ -395,6 +395,8 @@ class _Worker:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         self._last_step_end = time.perf_counter()
+        if profiling and step == last - 1:  # part of the step: reported done after it
+            self._finish_profile(trainer)
         if self.leader:
             self.events.put(Stepped(
                 worker=self.me, step=result.step, loss=result.loss,
@@ -405,8 +407,6 @@ class _Worker:
                 watch_s=watch.seconds if watch is not None else None,
                 speeds=watch.speeds() if watch is not None else {},
             ))
-        if profiling and step == last - 1:
-            self._finish_profile(trainer)
         done, opts = step + 1, self.opts
         if opts.checkpoint_every and opts.checkpoint_root and done % opts.checkpoint_every == 0:
             saving = time.perf_counter()
