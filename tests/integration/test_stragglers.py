@@ -38,7 +38,7 @@ def test_a_slow_worker_is_planned_around_and_back_with_the_bits_of_one_process()
     flags = [(s["member"], s["flagged"]) for s in report["stragglers"]]
     assert flags == [("worker-1", True), ("worker-1", False)]
     flagged, cleared = report["stragglers"]
-    assert 6 <= flagged["step"] <= 8 and flagged["slowdown"] > 3
+    assert 6 <= flagged["step"] <= 8 and flagged["slowdown"] >= 2.0  # the factor
     assert 14 <= cleared["step"] <= 16
     there, back = report["replans"]
     assert there["from"]["partition"] == [5, 5]
