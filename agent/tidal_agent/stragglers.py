@@ -6,11 +6,12 @@ posts of the step before (all made a step ago, since every member took part in t
 it never waits), feeds them to a ``tidal_plan.stragglers.StragglerDetector`` and reports each
 flag raised or cleared (``Straggler``). With ``spec.stragglers.replan`` and a source that takes
 re-plans, a change of flags makes the leader price a partition for the stragglers' measured
-speeds (the others count as equally fast); one
-that gains at least ``minGain`` is written for the next boundary, where every member reads it
-(the leader wrote it a step before, so nobody waits) and the source announces a generation of
-the same members in that layout, switched to live one step later. In strict mode the re-planned
-run keeps the bits of one process, as any switch does.
+speeds (the others count as equally fast); one that gains at least ``minGain`` is written for
+the next boundary, where every member reads it (the leader wrote it a step before, so nobody
+waits) and the source announces a generation of the same members in that layout, switched to
+live one step later. In strict mode the re-planned run keeps the bits of one process, as any
+switch does. The same channel carries the leader's request to profile again (the step time
+drifted from the profiled prediction: ``tidal_plan.predictors.Drift``).
 
 From a straggler's onset to the switch: ``steps`` slow steps to flag it, one step for the
 posts to reach the leader, one for the decision to reach everyone, one to build the world.
@@ -22,7 +23,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from tidal_agent.events import EventSink, Replanned, Straggler
 from tidal_agent.trainer import Trainer
@@ -31,6 +32,14 @@ from tidal_api.spec import StragglerSpec
 from tidal_plan.stragglers import StragglerDetector, drop_beats_keeping, replan_partition
 
 log = logging.getLogger("tidal.agent")
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    """What the leader wrote for a boundary: a re-plan, and whether to profile again."""
+
+    layout: Layout | None
+    profile: bool
 
 
 class StragglerWatch:
@@ -49,12 +58,19 @@ class StragglerWatch:
         self.store, self.members = world.store, world.members
         self._key = f"stragglers/{world.name}/{world.generation}"
         self._pending = False  # a re-plan written, not yet switched to
+        self._profile = False  # the leader asks every member to profile again
         self.seconds = 0.0  # the newest boundary's own time (its cost, measured)
 
-    def boundary(self, step: int) -> Layout | None:
+    def ask_profile(self) -> None:
+        """The leader's: every member profiles again, from the boundary after next (the step
+        time drifted from the profiled prediction)."""
+        self._profile = True
+
+    def boundary(self, step: int) -> Word | None:
         """At the boundary before ``step``: post this member's time of ``step - 1``; the
-        leader judges ``step - 2`` and may write a re-plan for ``step + 1``. Returns the
-        layout every member re-plans to here (announced for ``step + 1``), or None."""
+        leader judges ``step - 2`` and may write a re-plan, or a request to profile again,
+        for ``step + 1``. Returns what every member reads here (a re-plan is announced for
+        ``step + 1``), or None."""
         started = time.perf_counter()
         try:
             return self._boundary(step)
@@ -67,21 +83,28 @@ class StragglerWatch:
             return {}
         return {m: self.detector.speed(m) for m in self.members}
 
-    def _boundary(self, step: int) -> Layout | None:
+    def _boundary(self, step: int) -> Word | None:
         key, store = self._key, self.store
         if step > self.start:
             seconds = self.trainer.layer_seconds()
             store.set(f"{key}/t/{step - 1}/{self.me}", json.dumps(seconds))
         if self.leader:
             decided = self._judge(step - 2) if step - 2 >= self.start else None
-            store.set(f"{key}/plan/{step + 1}", json.dumps(decided and decided.to_dict()))
+            word = None
+            if decided is not None or self._profile:
+                word = {"layout": decided and decided.to_dict(), "profile": self._profile}
+                self._profile = False
+            store.set(f"{key}/plan/{step + 1}", json.dumps(word))
         if step <= self.start:
             return None
         raw = store.get(f"{key}/plan/{step}")
         if self.leader:
             store.delete_key(f"{key}/plan/{step - 1}")  # every member read it a step ago
-        decided = json.loads(raw)
-        return Layout(**decided) if decided else None
+        word = json.loads(raw)
+        if word is None:
+            return None
+        return Word(layout=Layout(**word["layout"]) if word["layout"] else None,
+                    profile=word["profile"])
 
     def _judge(self, step: int) -> Layout | None:
         """The leader's part: flags from ``step``'s posts, and a re-plan if they changed."""

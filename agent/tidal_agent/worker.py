@@ -79,6 +79,8 @@ from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation
 from tidal_plan.keepers import keepers, keepers_stay
 from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
+from tidal_plan.predictors import Drift, ProfiledPredictor
+from tidal_plan.profiled import Profile, ProfileError
 from tidal_plan.stragglers import StragglerDetector
 
 log = logging.getLogger("tidal.agent")
@@ -173,6 +175,7 @@ class _Worker:
                                              steps=spec.stragglers.steps)
         self._window = (0, 0)  # the steps [first, last) this generation profiles
         self._profiles = 0  # written so far (the leader's)
+        self._drift = Drift()  # the leader's: measured step times against the profile's
 
     @property
     def leader(self) -> bool:
@@ -252,7 +255,10 @@ class _Worker:
             if self.snapshots is not None:
                 self.snapshots.take(world, gen.index, source.layout(gen), step,
                                     trainer.state_tensors())
-            replan = watch.boundary(step) if watch is not None else None
+            word = watch.boundary(step) if watch is not None else None
+            replan = word.layout if word is not None else None
+            if word is not None and word.profile:
+                self._profile_from(step)
             leaving = self._stopping and not self.leader  # the leader's source halts the job
             if following is None:
                 following = source.following(gen, step)
@@ -288,6 +294,7 @@ class _Worker:
         """A generation trains from ``start``: profile its first steps (after the switch's cold
         ones), as long as the run has steps enough; every member computes the same window."""
         remaining = self.opts.steps - start
+        self._drift.expect(None)  # until the new profile's prediction
         if self.opts.profile_out is None or remaining < 3:
             self._window = (0, 0)
             return
@@ -395,8 +402,14 @@ class _Worker:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         self._last_step_end = time.perf_counter()
+        predicted = self._drift.predicted
         if profiling and step == last - 1:  # part of the step: reported done after it
             self._finish_profile(trainer)
+        elif not profiling and self.leader and watch is not None and self._drift.observe(seconds):
+            log.warning("step %d: %.1f ms, the %dth step in a row off the profiled %.1f ms by "
+                        "more than %.0f%%: profiling again", step, seconds * 1e3,
+                        self._drift.steps, predicted * 1e3, self._drift.margin * 100)
+            watch.ask_profile()
         if self.leader:
             self.events.put(Stepped(
                 worker=self.me, step=result.step, loss=result.loss,
@@ -433,6 +446,12 @@ class _Worker:
             return
         parts = [json.loads(store.get(f"{key}/{r}")) for r in range(trainer.world.size)]
         profile = build_profile(parts, trainer.layout, self._window, self.spec.model)
+        try:
+            self._drift.expect(ProfiledPredictor(Profile.from_dict(profile),
+                                                 self.spec.model.seq_len)
+                               .predict(trainer.layout).step_seconds)
+        except ProfileError as err:
+            log.warning("the profile of steps %s predicts nothing: %s", self._window, err)
         path = Path(profile_path(self.opts.profile_out, self._profiles))
         self._profiles += 1
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -132,3 +132,32 @@ class ProfiledPredictor:
         # would cost what the prediction costs. No bound: every candidate is priced (the
         # profiled models are the small ones this machine runs).
         return 0.0, 0.0
+
+
+DRIFT_MARGIN = 0.25  # measured over predicted step seconds beyond 1 +- this: drifting
+DRIFT_STEPS = 5  # consecutive drifting steps that call for a new profile
+
+
+class Drift:
+    """Whether measured step times have left the profiled prediction for good: ``steps``
+    consecutive steps more than ``margin`` away from it (either side) call for a new
+    profile. Disarmed until the next prediction (``expect``), so that one drift asks once."""
+
+    def __init__(self, *, margin: float = DRIFT_MARGIN, steps: int = DRIFT_STEPS) -> None:
+        self.margin, self.steps = margin, steps
+        self.predicted: float | None = None
+        self._run = 0
+
+    def expect(self, predicted_s: float | None) -> None:
+        self.predicted, self._run = predicted_s, 0
+
+    def observe(self, seconds: float) -> bool:
+        if self.predicted is None:
+            return False
+        drifting = abs(seconds / self.predicted - 1) > self.margin
+        self._run = self._run + 1 if drifting else 0
+        if self._run < self.steps:
+            return False
+        self.predicted = None
+        return True
+

@@ -17,7 +17,7 @@ TRAINING = {"steps": STEPS, "globalBatchSize": 8, "microBatchSize": 1, "seed": 3
 
 def _job(**stragglers):
     return small_job("slow", model=MODEL, training=TRAINING,
-                     stragglers={"steps": 3, "factor": 2.0, **stragglers})
+                     stragglers={"steps": 3, "factor": 2.5, **stragglers})
 
 
 def _layout(pp):
@@ -31,14 +31,15 @@ def _bits(report):
 
 def test_a_slow_worker_is_planned_around_and_back_with_the_bits_of_one_process():
     alone = run_local(_job(), _layout(1), steps=STEPS, timeout_s=60)
-    # worker-1's layer forwards last 4x as long from step 4 to step 11.
+    # worker-1's layer forwards last 5x as long from step 4 to step 11. The factor, 2.5,
+    # leaves room for what the re-planned layout's load pattern does alone (up to 2x here).
     report = run_local(_job(replan=True), _layout(2), steps=STEPS, timeout_s=60,
-                       slowdown=(("worker-1", 4, 12, 4.0),))
+                       slowdown=(("worker-1", 4, 12, 5.0),))
     assert _bits(report) == _bits(alone)
     flags = [(s["member"], s["flagged"]) for s in report["stragglers"]]
     assert flags == [("worker-1", True), ("worker-1", False)]
     flagged, cleared = report["stragglers"]
-    assert 6 <= flagged["step"] <= 8 and flagged["slowdown"] >= 2.0  # the factor
+    assert 6 <= flagged["step"] <= 8 and flagged["slowdown"] >= 2.5  # the factor
     assert 14 <= cleared["step"] <= 16
     there, back = report["replans"]
     assert there["from"]["partition"] == [5, 5]
@@ -54,6 +55,18 @@ def test_a_slow_worker_is_planned_around_and_back_with_the_bits_of_one_process()
 
 def test_without_replan_a_straggler_is_only_flagged():
     report = run_local(_job(), _layout(2), steps=8, timeout_s=60,
-                       slowdown=(("worker-0", 0, 8, 4.0),))
+                       slowdown=(("worker-0", 0, 8, 5.0),))
     assert [(s["member"], s["flagged"]) for s in report["stragglers"]] == [("worker-0", True)]
     assert report["replans"] == [] and report["reconfigurations"] == []
+
+
+def test_a_step_time_off_the_profile_for_long_is_profiled_again(tmp_path):
+    """The first profile (steps 3-7) predicts the step; worker-1 then turns 4x slower from
+    step 9 on, the step time leaves the prediction by more than 25% for 5 steps, and every
+    member profiles again once the leader's word reaches it (two boundaries later)."""
+    report = run_local(_job(), _layout(2), steps=24, timeout_s=60,
+                       slowdown=(("worker-1", 9, 24, 4.0),), profile_out=tmp_path / "p.json",
+                       sharing_probe=False)
+    first, again = report["profiles"]
+    assert first["steps"] == [3, 8] and 9 + 5 <= again["steps"][0] < again["steps"][1] <= 24
+    assert (tmp_path / "p.1.json").is_file()

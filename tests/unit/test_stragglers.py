@@ -118,3 +118,14 @@ def test_dropping_a_very_slow_rank_beats_keeping_it():
     seconds = [1.0] * 18
     assert drop_beats_keeping(lay, seconds, [1.0, 1.0, 0.1], slow=2, min_gain=0.05)
     assert not drop_beats_keeping(lay, seconds, [1.0, 1.0, 0.8], slow=2, min_gain=0.05)
+
+
+def test_drift_asks_for_a_profile_once_after_the_steps():
+    from tidal_plan.predictors import Drift
+
+    drift = Drift(margin=0.25, steps=3)
+    assert not any(drift.observe(1.0) for _ in range(5))  # nothing predicted yet
+    drift.expect(1.0)
+    assert [drift.observe(s) for s in (1.2, 1.3, 1.3, 0.9, 1.4, 0.7, 1.5)] == [
+        False, False, False, False, False, False, True]
+    assert not drift.observe(1.5)  # disarmed until the next prediction
