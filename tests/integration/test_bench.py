@@ -37,7 +37,7 @@ def test_bench_runs(script, args, keys):
 
 
 def test_straggler_bench_runs():
-    args = ["--steps", "12", "--onset", "3", "--rounds", "1", "--monitor-steps", "4"]
+    args = ["--steps", "8", "--onset", "2", "--rounds", "1", "--monitor-steps", "3"]
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "straggler.py"), "--tiny",
                              *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -694,7 +694,7 @@ def test_agents_replan_around_a_straggler_bitwise_as_a_static_run(emulator, api,
     to release it (status.stragglers[].release; no operator runs here). Meanwhile it
     re-partitions the same members under the operator's generation 0 (a revision the operator
     does not number), and back once the worker recovers, with the bits of a static run."""
-    steps = 36
+    steps = 28
     doc = _job_doc(steps=steps)
     doc["spec"]["workers"]["min"] = 3
     doc["spec"]["stragglers"] = {"steps": 3, "factor": 2.0, "replan": True, "minGain": 0.05}
