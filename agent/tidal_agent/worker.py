@@ -78,9 +78,9 @@ from tidal_api import JobSpec, keys
 from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation
 from tidal_plan.keepers import keepers, keepers_stay
-from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
 from tidal_plan.predictors import Drift, ProfiledPredictor
 from tidal_plan.profiled import Profile, ProfileError
+from tidal_plan.reshard import Placement, ReshardPlan, plan_reshard
 from tidal_plan.stragglers import StragglerDetector
 
 log = logging.getLogger("tidal.agent")
