@@ -142,6 +142,7 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             raise click.BadParameter(str(err), param_hint="'--steps'") from None
     scratch = tempfile.TemporaryDirectory(prefix="tidal-profile-")  # unasked profiles go here
     click.get_current_context().call_on_close(scratch.cleanup)
+    atexit.unregister(_stop_worker_server)  # once, however many runs one process makes
     atexit.register(_stop_worker_server)
     profile_to = profile_out or (str(Path(scratch.name) / "profile.json") if steps >= 3 else None)
     from tidal_plan.predictors import ProfiledPredictor

@@ -218,17 +218,19 @@ class LayerClock:
     On a GPU the times are the launches' unless the stream is synchronised: a CPU-side measure.
     """
 
-    __slots__ = ("seconds", "slowdown")
+    __slots__ = ("seconds", "slowdown", "on")
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
         self.slowdown = 1.0
+        self.on = True  # off: nobody reads the times (the straggler watch is off), keep none
 
     def add(self, seconds: float) -> None:
         if self.slowdown > 1:
             time.sleep(seconds * (self.slowdown - 1))
             seconds *= self.slowdown
-        self.seconds.append(seconds)
+        if self.on:
+            self.seconds.append(seconds)
 
 
 class StageModule(nn.Module):

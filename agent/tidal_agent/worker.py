@@ -304,6 +304,8 @@ class _Worker:
     def _watch(self, trainer: Trainer, step: int) -> StragglerWatch | None:
         """This member's straggler watch in ``trainer``'s world, from ``step`` on."""
         if not self.opts.watch_stragglers:
+            for stage in trainer.stages.values():
+                stage.layer_clock.on = False  # nobody would empty it
             return None
         return StragglerWatch(self.spec.stragglers, me=self.me, leader=self.leader,
                               trainer=trainer, start=step, detector=self._stragglers,

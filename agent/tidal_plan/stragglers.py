@@ -28,7 +28,6 @@ from tidal_plan.partition import balanced_partition
 
 DEFAULT_FACTOR = 1.5  # slower than the median of the peers by at least this: slow
 DEFAULT_STEPS = 5  # consecutive observed steps, to flag and to clear
-DEFAULT_MIN_GAIN = 0.1  # a re-plan must cut the slowest rank's time by at least this
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,16 +99,24 @@ def stage_speeds(layout: Layout, rank_speeds: Sequence[float]) -> list[float]:
     return [rank_speeds[layout.stage_rank(s)] for s in range(layout.num_stages)]
 
 
+def _stage_seconds(partition: Sequence[int], unit_seconds: Sequence[float],
+                   speeds: Sequence[float]) -> list[float]:
+    """Each stage's units' seconds over its speed."""
+    out, start = [], 0
+    for count, speed in zip(partition, speeds, strict=True):
+        out.append(sum(unit_seconds[start:start + count]) / speed)
+        start += count
+    return out
+
+
 def rank_seconds(layout: Layout, partition: Sequence[int], unit_seconds: Sequence[float],
                  rank_speeds: Sequence[float]) -> list[float]:
     """Seconds per micro-batch of each pipeline rank under ``partition``: its stages' unit
     seconds over its speed."""
     out = [0.0] * layout.pp
-    start = 0
-    for stage, count in enumerate(partition):
-        rank = layout.stage_rank(stage)
-        out[rank] += sum(unit_seconds[start:start + count]) / rank_speeds[rank]
-        start += count
+    stages = _stage_seconds(partition, unit_seconds, stage_speeds(layout, rank_speeds))
+    for stage, seconds in enumerate(stages):
+        out[layout.stage_rank(stage)] += seconds
     return out
 
 
@@ -165,10 +172,7 @@ def drop_beats_keeping(layout: Layout, unit_seconds: Sequence[float],
     dropped = balanced_partition(unit_seconds, layout.pp - 1, speeds=others)
     if kept is None or dropped is None:
         return False
-    start, slowest = 0, 0.0
-    for count, speed in zip(dropped, others, strict=True):
-        slowest = max(slowest, sum(unit_seconds[start:start + count]) / speed)
-        start += count
     keep_s = pipeline_seconds(layout, kept.slowest_s)
-    drop_s = pipeline_seconds(layout, slowest, layout.pp - 1)
+    drop_s = pipeline_seconds(layout, max(_stage_seconds(dropped, unit_seconds, others)),
+                              layout.pp - 1)
     return keep_s / drop_s - 1 >= min_gain
