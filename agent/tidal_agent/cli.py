@@ -383,7 +383,7 @@ def _slowdown(text: str | None) -> tuple[int, int, float] | None:
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True, help="auto: nccl where CUDA is available, else gloo.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent peer or rendezvous is an error.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="TIDAL_METRICS_PORT", help="Serve Prometheus metrics on this port (also $TIDAL_METRICS_PORT; 0 or unset: off).")
-@click.option("--profiled-table/--modeled-table", "profiled_table", default=True, show_default=True, help="Publish the scale table planned from the running job's own profile (both predictors) once each generation's first steps are profiled, or keep the modeling-based one (for GPUs that share CPU cores, as tidal local's do: the profile would see the cores).")
+@click.option("--profiled-table/--modeled-table", "profiled_table", default=True, show_default=True, help="Profile each generation's first steps and publish the scale table planned from the profile (both predictors), or profile nothing and keep the modeling-based table (for GPUs that share CPU cores, as tidal local's do: the profile would see the cores).")
 @click.option("--slowdown", hidden=True, help="Tests only: FIRST:END:FACTOR makes this pod a straggler, its decoder-layer forwards FACTOR times as long in steps [FIRST, END).")
 def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, backend,
           timeout_s, metrics_port, profiled_table, slowdown) -> None:

@@ -94,8 +94,9 @@ def run_agent(
     """Train as ``identity.pod`` until the job's last step or until released; the leader
     returns (and writes to ``report_path``) the run's report, other pods what they saw.
     With ``metrics_port``, Prometheus metrics (tidal_agent.metrics) are served on it; with
-    ``profiled_table`` the leader publishes the scale table planned from each generation's
-    online profile (else the modeling-based one stays);
+    ``profiled_table`` every generation profiles its first steps and the leader publishes
+    the scale table planned from each profile (else nothing is profiled and the
+    modeling-based table stays);
     ``slowdown`` (first step, end step, factor) makes this pod a straggler, for tests."""
     link = ControlLink(identity.job, identity.namespace, kubeconfig=kubeconfig,
                        publish_interval_s=publish_interval_s)
@@ -161,15 +162,14 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         link.start()
         threading.Thread(target=_publish_scale_table, args=(link, job, device),
                          name="tidal-plan", daemon=True).start()
-        report.on_profile = partial(_replan_from_profile, link, job, device,
-                                    publish_table=profiled_table)
+        report.on_profile = partial(_replan_from_profile, link, job, device)
     scratch = tempfile.mkdtemp(prefix="tidal-profile-")  # this pod's profiles
     opts = WorkerOptions(
         rendezvous=rendezvous, steps=steps, threads=threads,
         checkpoint_root=spec.checkpoint.path, checkpoint_every=spec.checkpoint.every_steps,
         peer_snapshots=spec.checkpoint.peer_snapshots, stop=stop,
         unit_seconds=planner.unit_seconds() if spec.stragglers.replan else (),
-        profile_out=str(Path(scratch) / "profile.json"),
+        profile_out=str(Path(scratch) / "profile.json") if profiled_table else None,
         slowdown=((identity.pod, *slowdown),) if slowdown else (),
     )
     try:
@@ -260,16 +260,14 @@ def _run_record(job: str, source: ControlledGenerations, report: AgentReport) ->
 
 
 def _replan_from_profile(link: ControlLink, job: ElasticTrainingJob, device: Device,
-                         event: Profiled, *, publish_table: bool) -> float | None:
-    """A generation's online profile is in: with ``publish_table`` the scale table again,
-    from both predictors (the profiling-based one choosing, the modeling-based one checking,
-    rows where they disagree dropped), published; the profiled prediction of the running
-    layout returned."""
+                         event: Profiled) -> float | None:
+    """A generation's online profile is in: the scale table again, from both predictors (the
+    profiling-based one choosing, the modeling-based one checking, rows where they disagree
+    dropped), published; the profiled prediction of the running layout returned."""
     try:
         profile = load_profile(event.path)
-        if publish_table:
-            table, _ = plan_job(job, device, profile=profile)
-            link.publish(scale_table=table)
+        table, _ = plan_job(job, device, profile=profile)
+        link.publish(scale_table=table)
     except (ProfileError, LayoutError, ValueError) as err:
         log.error("no scale table from the profile of steps %s: %s", event.steps, err)
         return None

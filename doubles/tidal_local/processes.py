@@ -214,7 +214,7 @@ class AgentProcesses:
         if command[0] == "tidal":  # the image's entry point: this installation's
             command[0] = str(self.tidal)
         meta = pod["metadata"]
-        # The modeling-based table: these "GPUs" are processes on the machine's few cores,
+        # No profile, the modeling-based table: these "GPUs" are processes on a few cores,
         # which the job's own profile would see (more workers, no faster).
         return [*command, "--kubeconfig", str(self.kubeconfig), "--threads", "1",
                 "--modeled-table", "--publish-interval", str(self.publish_interval_s),
