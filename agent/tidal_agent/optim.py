@@ -90,6 +90,29 @@ def clip_grad_norm(
     return float(total)
 
 
+Subtree = tuple[int, int, list[torch.Tensor]]  # (level, index, the sum's tensors)
+
+
+class _Subtrees:
+    """Sums of subtrees of the binary tree over logical replicas, built left to right: a
+    subtree and the one before it of the same level add (left then right, into the left's
+    tensors) into their parent where the one before is a left child (an even index). Any
+    block of logical replicas, pushed in order, ends as its aligned subtrees
+    (``tidal_plan.elastic.subtrees``); the whole tree, as one."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Subtree] = []
+
+    def push(self, level: int, index: int, tensors: list[torch.Tensor]) -> None:
+        nodes = self.nodes
+        while nodes and nodes[-1][0] == level and nodes[-1][1] % 2 == 0:
+            _, left_index, left = nodes.pop()
+            for a, b in zip(left, tensors, strict=True):
+                a.add_(b)
+            level, index, tensors = level + 1, left_index // 2, left
+        nodes.append((level, index, tensors))
+
+
 class LogicalReplicaGradients:
     """Each logical replica's gradient apart, summed in one fixed binary tree (strict DP).
 
@@ -97,45 +120,52 @@ class LogicalReplicaGradients:
     micro-batches. Parameter gradients accumulate in ``.grad`` in micro-batch order, each
     logical replica's from none (its first micro-batch's gradient is taken as it is, as a
     step's first is); when its last micro-batch is done (``micro_batch_done``), its gradient is
-    taken out and merged into a binary counter: two sums of the same level, left then right,
-    add into one of the next level. A physical replica runs an aligned block of ``L / dp``
-    logical replicas (both powers of two), so its counter ends with the block's subtree sum
-    (``finish``), and :class:`GradientReducer` adds the blocks in the tree's upper levels: the
-    same additions, in the same order, as one process running all ``L``.
+    taken out and pushed into the tree's subtrees (``_Subtrees``). A physical replica with an
+    even share runs an aligned block of ``L / dp`` logical replicas (both powers of two), so it
+    ends with the block's one subtree (``finish``), and :class:`GradientReducer` adds the
+    blocks in the tree's upper levels; an uneven share (``Layout.shares``) ends with several
+    (``take``), which the reducer completes. Either way: the same additions, in the same
+    order, as one process running all ``L``.
     """
 
     def __init__(self, stages: Mapping[int, Sequence[torch.nn.Parameter]], *,
                  per_replica: int, mb_offset: int) -> None:
         self.stages, self.per_replica, self.mb_offset = stages, per_replica, mb_offset
-        self._counters: dict[int, list[tuple[int, list[torch.Tensor]]]] = {
-            s: [] for s in stages}
+        self._trees = {s: _Subtrees() for s in stages}
 
     def micro_batch_done(self, stage: int, mb: int) -> None:
         """Micro-batch ``mb`` (this replica's numbering) of ``stage`` has its gradients."""
-        if (self.mb_offset + mb + 1) % self.per_replica:
+        done = self.mb_offset + mb + 1
+        if done % self.per_replica:
             return
         params = self.stages[stage]
-        node = (0, [p.grad for p in params])
+        grads = [p.grad for p in params]
         for p in params:
             p.grad = None
-        counter = self._counters[stage]
-        while counter and counter[-1][0] == node[0]:
-            level, left = counter.pop()
-            for a, b in zip(left, node[1], strict=True):
-                a.add_(b)
-            node = (level + 1, left)
-        counter.append(node)
+        self._trees[stage].push(0, done // self.per_replica - 1, grads)
 
     def finish(self) -> None:
-        """Put each stage's block sum into ``.grad``."""
-        for stage, counter in self._counters.items():
-            if len(counter) != 1:
+        """Put each stage's block sum into ``.grad`` (a block that is one subtree)."""
+        for stage, tree in self._trees.items():
+            if len(tree.nodes) != 1:
                 raise RuntimeError(f"stage {stage}: the logical replicas did not close one "
-                                   f"subtree ({[level for level, _ in counter]})")
-            (_, grads), = counter
+                                   f"subtree ({[level for level, _, _ in tree.nodes]})")
+            (_, _, grads), = tree.nodes
             for p, g in zip(self.stages[stage], grads, strict=True):
                 p.grad = g
-            counter.clear()
+            tree.nodes.clear()
+
+    def take(self) -> list[Subtree]:
+        """The block's subtrees, each over every stage's parameters in stage order; ``.grad``
+        stays empty (the reducer fills it)."""
+        trees = list(self._trees.values())
+        out = []
+        for parts in zip(*(t.nodes for t in trees), strict=True):
+            level, index, _ = parts[0]
+            out.append((level, index, [g for _, _, grads in parts for g in grads]))
+        for tree in trees:
+            tree.nodes.clear()
+        return out
 
 
 class GradientReducer:
@@ -153,12 +183,13 @@ class GradientReducer:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], dp_world: World, *,
-                 strict: bool) -> None:
+                 strict: bool, subtrees: Sequence[Sequence[tuple[int, int]]] = ()) -> None:
         self.params, self.world, self.strict = list(params), dp_world, strict
+        self.subtrees = [list(s) for s in subtrees]  # every replica's, uneven shares only
         n, dp, rank = sum(p.numel() for p in self.params), dp_world.size, dp_world.rank
         self.pairs: list[World] = []
         self.chunk = n
-        if strict and dp & (dp - 1) == 0:
+        if strict and not self.subtrees and dp & (dp - 1) == 0:
             for level in range(dp.bit_length() - 1):
                 a, b = sorted((rank, rank ^ (1 << level)))
                 members = (dp_world.members[a], dp_world.members[b])
@@ -167,8 +198,10 @@ class GradientReducer:
             self.chunk = -(-n // dp)
         like = self.params[0]
         size = dp * self.chunk if strict and not self.pairs else n
-        self.flat = torch.zeros(size, dtype=like.dtype, device=like.device)
-        self.gathered = torch.empty_like(self.flat) if strict and not self.pairs else None
+        rows = len(self.subtrees[rank]) if self.subtrees else 1  # one per subtree held
+        self.flat = torch.zeros(rows * size, dtype=like.dtype, device=like.device)
+        self.gathered = torch.empty(size, dtype=like.dtype, device=like.device) if (
+            strict and not self.pairs) else None
 
     def __call__(self) -> None:
         offset = 0
@@ -192,4 +225,34 @@ class GradientReducer:
         offset = 0
         for p in self.params:
             p.grad.copy_(total[offset : offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
+    def reduce_subtrees(self, mine: list[Subtree]) -> None:
+        """Uneven shares (strict): each replica ends with its own subtrees of the logical
+        replicas' tree. Chunk ``j`` of every subtree goes to replica ``j`` (all-to-all), which
+        pushes them in logical order into the tree's upper levels, the same additions as one
+        process; the finished chunks are gathered into every ``.grad``."""
+        dp, chunk, rank = self.world.size, self.chunk, self.world.rank
+        if [(level, index) for level, index, _ in mine] != self.subtrees[rank]:
+            raise RuntimeError(f"replica {rank} holds subtrees "
+                               f"{[(level, index) for level, index, _ in mine]}, not "
+                               f"{self.subtrees[rank]} as the layout's shares say")
+        sent = self.flat.view(len(mine), dp * chunk)
+        for row, (_, _, grads) in zip(sent, mine, strict=True):
+            offset = 0
+            for g in grads:
+                row[offset : offset + g.numel()].copy_(g.reshape(-1))
+                offset += g.numel()
+        by_replica = sent.view(len(mine), dp, chunk).transpose(0, 1).contiguous().view(-1)
+        got = self.world.all_to_all(by_replica, [len(s) * chunk for s in self.subtrees])
+        tree, pieces = _Subtrees(), iter(got.split(chunk))
+        for level, index in (node for nodes in self.subtrees for node in nodes):
+            tree.push(level, index, [next(pieces)])
+        if len(tree.nodes) != 1:
+            raise RuntimeError(f"the replicas' subtrees did not close one tree "
+                               f"({[(level, index) for level, index, _ in tree.nodes]})")
+        self.world.all_gather_into(self.gathered, tree.nodes[0][2][0])
+        offset = 0
+        for p in self.params:
+            p.grad = self.gathered[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()

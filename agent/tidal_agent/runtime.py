@@ -72,16 +72,17 @@ class PipelineRuntime:
         group_ranks: list[int],
         device: torch.device,
         activation_shape: tuple[int, ...],
-        mb_offset: int = 0,
+        replica: int = 0,
     ) -> None:
-        self.layout, self.pp_rank, self.stages = layout, pp_rank, stages
+        # The pipeline of this data-parallel replica: its own micro-batch count.
+        self.layout, self.pp_rank, self.stages = layout.replica_pipeline(replica), pp_rank, stages
         self.batches, self.seed, self.device = batches, seed, device
         self.world = world
         self.group_ranks = group_ranks  # world rank of each pipeline rank of this replica
         self.activation_shape = activation_shape
         # This replica's micro-batch m is micro-batch mb_offset + m of the global batch.
-        self.mb_offset = mb_offset
-        self.loss_scale = 1.0 / (layout.num_micro_batches * layout.dp)
+        self.mb_offset = layout.replica_offset(replica)
+        self.loss_scale = 1.0 / layout.global_micro_batches
         self.profiler: UnitProfiler | None = None  # set for the steps that are profiled
         # Called as (stage, micro-batch) once a micro-batch's parameter gradients are in .grad.
         self.on_gradients: Callable[[int, int], None] | None = None

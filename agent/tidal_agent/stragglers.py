@@ -23,13 +23,14 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tidal_agent.events import EventSink, Replanned, Straggler
 from tidal_agent.trainer import Trainer
 from tidal_api.layout import Layout
 from tidal_api.spec import StragglerSpec
-from tidal_plan.stragglers import StragglerDetector, drop_beats_keeping, replan_partition
+from tidal_plan.elastic import share_unit
+from tidal_plan.stragglers import StragglerDetector, drop_beats_keeping, replan_layout
 
 log = logging.getLogger("tidal.agent")
 
@@ -149,13 +150,14 @@ class StragglerWatch:
                                   self.members.index(member), self.spec.min_gain)
 
     def _replan(self, step: int) -> Layout | None:
-        layout = self.trainer.layout
-        speeds, rank_speeds = self._rank_speeds(layout)
-        layers = range(1, self.trainer.spec.model.layers + 1)
-        plan = replan_partition(layout, self.unit_seconds, rank_speeds, layers)
-        if plan is None or plan.partition == layout.partition or plan.gain < self.spec.min_gain:
+        layout, spec = self.trainer.layout, self.trainer.spec
+        speeds, _ = self._rank_speeds(layout)
+        layers = range(1, spec.model.layers + 1)
+        plan = replan_layout(layout, self.unit_seconds, [speeds[m] for m in self.members],
+                             layers, share_unit(spec, layout))
+        new = plan.layout
+        if new == layout or plan.gain < self.spec.min_gain:
             return None
-        new = replace(layout, partition=plan.partition)
         log.warning("step %d: re-planning %s -> %s for speeds %s (predicted %+.0f%%)", step,
                     layout.describe(), new.describe(),
                     ", ".join(f"{m} {s:.2f}" for m, s in speeds.items()), plan.gain * 100)

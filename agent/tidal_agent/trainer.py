@@ -30,7 +30,7 @@ from tidal_agent.world import World
 from tidal_api import JobSpec
 from tidal_api.layout import Layout
 from tidal_plan.dryrun import plan_step
-from tidal_plan.elastic import logical_replicas
+from tidal_plan.elastic import logical_replicas, replica_subtrees
 from tidal_plan.lowering import fifo_consistent, receive_early
 
 
@@ -60,7 +60,9 @@ class TiedGradients:
         self.world, self.first, self.last = world, params.get(first), params.get(last)
         ranks = [replica * layout.pp + layout.stage_rank(s) for s in (0, layout.num_stages - 1)]
         self.peer = ranks[1] if world.rank == ranks[0] else ranks[0]
-        self.tag = 2 * layout.num_stages * layout.num_micro_batches  # past the pipeline's tags
+        # Past the pipeline's tags, whichever replica's pipeline is the longest.
+        self.tag = 2 * layout.num_stages * max(
+            layout.replica_micro_batches(r) for r in range(layout.dp))
 
     def sum(self) -> None:
         if self.first is not None and self.last is not None:
@@ -139,7 +141,7 @@ class Trainer:
                     exp_avg=torch.empty_like(param),
                     exp_avg_sq=torch.empty_like(param),
                 )
-        lowered = plan_step(layout)
+        lowered = plan_step(layout.replica_pipeline(self.replica))
         if world.rendezvous.backend == "nccl" and not fifo_consistent(lowered):
             raise ValueError(
                 f"{layout.describe()}: NCCL matches messages in order and this schedule's "
@@ -159,7 +161,7 @@ class Trainer:
             group_ranks=[self.replica * layout.pp + r for r in range(layout.pp)],
             device=device,
             activation_shape=(mbs, t, model.d_model),
-            mb_offset=self.replica * layout.num_micro_batches,
+            replica=self.replica,
         )
         self.dp_world = None
         if layout.dp > 1:
@@ -176,11 +178,14 @@ class Trainer:
         if self.strict and replicas % layout.dp:
             raise ValueError(f"{layout.describe()}: dp {layout.dp} must divide the job's "
                              f"{replicas} logical replicas in strict mode")
+        # Uneven shares end with several subtrees of the logical replicas' tree per replica.
+        self._subtrees = (replica_subtrees(layout, replicas)
+                          if self.strict and layout.shares else [])
         if replicas > layout.dp:  # one logical replica per physical one: nothing to take apart
             self._logical = LogicalReplicaGradients(
                 self.runtime.stage_params,
                 per_replica=spec.training.num_micro_batches // replicas,
-                mb_offset=self.replica * layout.num_micro_batches,
+                mb_offset=layout.replica_offset(self.replica),
             )
             self.runtime.on_gradients = self._logical.micro_batch_done
         self.device = device
@@ -203,13 +208,16 @@ class Trainer:
         started = time.perf_counter()
         loss_values = self.runtime.run_step(step, self.actions)
         pipelined = time.perf_counter()
-        if self._logical is not None:
+        if self._logical is not None and not self._subtrees:
             self._logical.finish()
         if self.dp_world is not None:
             if self._reduce is None:
                 self._reduce = GradientReducer([p for _, p in self.named_params], self.dp_world,
-                                               strict=self.strict)
-            self._reduce()
+                                               strict=self.strict, subtrees=self._subtrees)
+            if self._subtrees:
+                self._reduce.reduce_subtrees(self._logical.take())
+            else:
+                self._reduce()
         if self._tied is not None:
             self._tied.sum()
         grad_norm = clip_grad_norm(

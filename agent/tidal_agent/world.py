@@ -63,11 +63,17 @@ class World:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self.pg.allreduce([tensor]).wait()
 
-    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_to_all(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """Block ``i`` of ``tensor`` (split in ``size`` equal blocks) to rank ``i``; returns
-        the blocks this rank got, in rank order."""
-        out = torch.empty_like(tensor)
-        self.pg.alltoall_base(out, tensor, [], []).wait()
+        the blocks this rank got, in rank order (of ``sizes[i]`` elements from rank ``i``
+        where the ranks send unequal amounts)."""
+        if sizes is None:
+            out = torch.empty_like(tensor)
+            self.pg.alltoall_base(out, tensor, [], []).wait()
+            return out
+        out = tensor.new_empty(sum(sizes))
+        self.pg.alltoall_base(out, tensor, sizes, [tensor.numel() // self.size] * self.size
+                              ).wait()
         return out
 
     def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> None:

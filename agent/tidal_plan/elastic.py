@@ -165,6 +165,43 @@ def default_logical_replicas(max_workers: int, micro_batches: int) -> int:
     return replicas
 
 
+def subtrees(start: int, end: int) -> list[tuple[int, int]]:
+    """The subtrees of the binary tree over logical replicas that replicas ``start`` to
+    ``end - 1`` alone complete, as (level, index) in order: left to right, a subtree and the
+    one before it of the same level form their parent where the one before is a left child."""
+    out: list[tuple[int, int]] = []
+    for leaf in range(start, end):
+        level, index = 0, leaf
+        while out and out[-1][0] == level and out[-1][1] % 2 == 0:
+            level, index = level + 1, out.pop()[1] // 2
+        out.append((level, index))
+    return out
+
+
+def replica_subtrees(layout: Layout, logical: int) -> list[list[tuple[int, int]]]:
+    """Each data-parallel replica's subtrees of the ``logical`` replicas' tree (its share of
+    the micro-batches must be whole logical replicas): one each where the shares are even."""
+    per = layout.global_micro_batches // logical
+    out = []
+    for replica in range(layout.dp):
+        first, count = layout.replica_offset(replica), layout.replica_micro_batches(replica)
+        if first % per or count % per:
+            raise LayoutError(
+                f"{layout.describe()}: replica {replica}'s micro-batches are not whole logical "
+                f"replicas of {per}; give each replica a multiple of {per}")
+        out.append(subtrees(first // per, (first + count) // per))
+    return out
+
+
+def share_unit(spec: JobSpec, layout: Layout) -> int:
+    """The micro-batches a replica's share of the step is made of: in strict mode a logical
+    replica's (the physical replicas themselves where the job has no logical ones), else one."""
+    if spec.parallelism.consistency != "strict":
+        return 1
+    replicas = logical_replicas(spec)
+    return layout.global_micro_batches // (replicas if replicas > 1 else layout.dp)
+
+
 def strict_data_parallel(spec: JobSpec) -> bool:
     """Whether dp may change under strict consistency (the logical replicas' tree)."""
     return spec.parallelism.elastic == "dp-pp" and spec.parallelism.consistency == "strict"

@@ -10,10 +10,13 @@ calls such a rank a straggler and re-plans around it).
 
 Re-planning weighs each stage by its rank's relative speed (the median over the newest steps of
 the fastest rank's seconds per layer over this rank's): the contiguous partition whose slowest stage,
-seconds over speed, is fastest (``balanced_partition`` with speeds). It is worth a switch where
-the slowest rank's predicted time falls by at least ``min_gain``. Dropping the straggler is
-priced the same way: the other ranks' partition against the kept one, the pipeline's fill and
-drain counted (``(m + pp - 1)`` stage times for ``m`` micro-batches).
+seconds over speed, is fastest (``balanced_partition`` with speeds). With data parallelism the
+replicas share the partition but not the micro-batches: a slower replica takes a smaller share
+(``Layout.shares``, whole logical replicas in strict mode), filled one unit at a time into the
+replica that would finish it soonest. A step's time is its slowest replica's pipeline, fill and
+drain counted (``(m + pp - 1)`` stage times for ``m`` micro-batches); a re-plan is worth a switch
+where it falls by at least ``min_gain``. Dropping the straggler is priced the same way: the other
+ranks' partition against the kept one.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tidal_api.layout import Layout
 from tidal_plan.partition import balanced_partition
@@ -176,3 +179,74 @@ def drop_beats_keeping(layout: Layout, unit_seconds: Sequence[float],
     drop_s = pipeline_seconds(layout, max(_stage_seconds(dropped, unit_seconds, others)),
                               layout.pp - 1)
     return keep_s / drop_s - 1 >= min_gain
+
+
+def _replica_seconds(layout: Layout, unit_seconds: Sequence[float],
+                     speeds: Sequence[float]) -> list[float]:
+    """Each replica's seconds per micro-batch: its slowest rank's (``speeds`` in world-rank
+    order)."""
+    pp = layout.pp
+    return [max(rank_seconds(layout, layout.partition, unit_seconds, speeds[r * pp:(r + 1) * pp]))
+            for r in range(layout.dp)]
+
+
+def step_seconds(layout: Layout, unit_seconds: Sequence[float],
+                 speeds: Sequence[float]) -> float:
+    """A step's predicted seconds with each world rank at its relative speed (``speeds``, in
+    world-rank order): the slowest replica's pipeline over its share of the micro-batches."""
+    per_mb = _replica_seconds(layout, unit_seconds, speeds)
+    return max((layout.replica_micro_batches(r) + layout.pp - 1) * seconds
+               for r, seconds in enumerate(per_mb))
+
+
+def fill_shares(layout: Layout, unit_seconds: Sequence[float], speeds: Sequence[float],
+                unit: int = 1) -> tuple[int, ...]:
+    """Each replica's micro-batches for ranks of ``speeds`` (world-rank order), in blocks of
+    ``unit`` (a logical replica's micro-batches in strict mode): every replica starts with
+    one block, and each further block goes to the replica whose pipeline would end it first,
+    which leaves the slowest replica's step as short as it can be."""
+    total, pp = layout.global_micro_batches, layout.pp
+    if total % unit:
+        raise ValueError(f"{total} micro-batches do not split into blocks of {unit}")
+    per_mb = _replica_seconds(layout, unit_seconds, speeds)
+    shares = [unit] * layout.dp
+    for _ in range(total // unit - layout.dp):
+        r = min(range(layout.dp), key=lambda r: (shares[r] + unit + pp - 1) * per_mb[r])
+        shares[r] += unit
+    return tuple(shares)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutReplan:
+    """A layout of the same ranks for their measured speeds, and its predicted gain."""
+
+    layout: Layout
+    step_s: float  # predicted
+    was_s: float  # the current layout's, predicted the same way
+
+    @property
+    def gain(self) -> float:
+        return self.was_s / self.step_s - 1
+
+
+def replan_layout(layout: Layout, unit_seconds: Sequence[float], speeds: Sequence[float],
+                  layers: range | None = None, share_unit: int = 0) -> LayoutReplan:
+    """The fastest predicted of: ``layout`` re-partitioned for its pipeline ranks' speeds
+    (each at its slowest replica's), and with dp > 1 (``share_unit`` > 0: the micro-batches
+    a share is made of) the micro-batches re-shared over the replicas for the current
+    partition or for that one (``speeds`` in world-rank order; the current layout itself
+    where nothing is faster)."""
+    if len(speeds) != layout.world_size:
+        raise ValueError(f"{len(speeds)} speeds for a layout of {layout.world_size} ranks")
+    pp = layout.pp
+    rank_speeds = [min(speeds[r * pp + p] for r in range(layout.dp)) for p in range(pp)]
+    candidates = [layout]
+    partitioned = replan_partition(layout, unit_seconds, rank_speeds, layers)
+    if partitioned is not None:
+        candidates.append(replace(layout, partition=partitioned.partition))
+    if layout.dp > 1 and share_unit:
+        candidates += [replace(c, shares=fill_shares(c, unit_seconds, speeds, share_unit))
+                       for c in list(candidates)]
+    timed = [(step_seconds(c, unit_seconds, speeds), i, c) for i, c in enumerate(candidates)]
+    best_s, _, best = min(timed)
+    return LayoutReplan(layout=best, step_s=best_s, was_s=timed[0][0])

@@ -14,11 +14,11 @@ run) and writes it camelCase on the wire (``__pydantic_config__``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Annotated, ClassVar
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from pydantic.alias_generators import to_camel
 
 
@@ -41,7 +41,9 @@ class Layout:
 
     ``partition`` gives the number of contiguous placement units of each stage, in stage order;
     it has ``pp * virtual_stages`` entries. ``num_micro_batches`` is per data-parallel replica:
-    replica ``r`` computes global micro-batches ``r * num_micro_batches`` onwards. World rank
+    replica ``r`` computes global micro-batches ``r * num_micro_batches`` onwards, unless
+    ``shares`` gives each replica its own count (replicas of unequal speed: a slow one computes
+    fewer), in replica order, summing to ``dp * num_micro_batches``. World rank
     ``replica * pp + pipeline rank`` holds a position.
     """
 
@@ -62,10 +64,14 @@ class Layout:
         ge=1, description="Micro-batches per replica and step.")]
     activation_checkpointing: Annotated[bool, Field(
         description="Decoder layers recompute their forward in the backward.")] = False
+    shares: Annotated[tuple[int, ...], Field(
+        description="Micro-batches of each replica where they differ (empty: "
+                    "numMicroBatches each).")] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", ScheduleKind(self.schedule))
         object.__setattr__(self, "partition", tuple(self.partition))
+        object.__setattr__(self, "shares", tuple(self.shares))
         if self.pp < 1 or self.dp < 1:
             raise LayoutError(f"pp ({self.pp}) and dp ({self.dp}) must be at least 1")
         if self.virtual_stages < 1:
@@ -86,6 +92,26 @@ class Layout:
             )
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
             raise LayoutError("micro-batch size and count must be at least 1")
+        if self.shares:
+            self._check_shares()
+
+    @model_serializer(mode="wrap")
+    def _even_unwritten(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        """Even shares (the planner's every row) stay off the wire, as in ``to_dict``."""
+        out = handler(self)
+        if not self.shares:
+            out.pop("shares", None)
+        return out
+
+    def _check_shares(self) -> None:
+        shares, total = self.shares, self.dp * self.num_micro_batches
+        if len(shares) != self.dp or min(shares) < 1 or sum(shares) != total:
+            raise LayoutError(
+                f"shares {list(shares)} must give each of the {self.dp} replicas at least one "
+                f"micro-batch and sum to dp x numMicroBatches = {total}"
+            )
+        if len(set(shares)) == 1:  # even: one way to write it
+            object.__setattr__(self, "shares", ())
 
     @property
     def num_stages(self) -> int:
@@ -98,6 +124,27 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.dp * self.pp
+
+    @property
+    def global_micro_batches(self) -> int:
+        return self.dp * self.num_micro_batches
+
+    def replica_micro_batches(self, replica: int) -> int:
+        """Micro-batches replica ``replica`` computes per step."""
+        return self.shares[replica] if self.shares else self.num_micro_batches
+
+    def replica_offset(self, replica: int) -> int:
+        """The global index of replica ``replica``'s first micro-batch."""
+        if self.shares:
+            return sum(self.shares[:replica])
+        return replica * self.num_micro_batches
+
+    def replica_pipeline(self, replica: int) -> Layout:
+        """The pipeline replica ``replica`` runs: this layout with its micro-batch count, the
+        one its schedule is built for."""
+        if not self.shares:
+            return self
+        return replace(self, num_micro_batches=self.shares[replica], shares=())
 
     def stage_rank(self, stage: int) -> int:
         """Pipeline rank that runs ``stage``."""
@@ -122,13 +169,14 @@ class Layout:
         raise LayoutError(f"unit {unit} is outside the {self.num_units} units of this layout")
 
     def describe(self) -> str:
-        """Short human form, e.g. ``dp1 pp3 [3,2,3] 1f1b 2x8``."""
+        """Short human form, e.g. ``dp1 pp3 [3,2,3] 1f1b 2x8`` (uneven shares: ``2x6/2``)."""
         parts = ",".join(str(n) for n in self.partition)
         virtual = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         recompute = " ac" if self.activation_checkpointing else ""
+        count = "/".join(map(str, self.shares)) if self.shares else self.num_micro_batches
         return (
             f"dp{self.dp} pp{self.pp} [{parts}] {self.schedule.value}{virtual} "
-            f"{self.micro_batch_size}x{self.num_micro_batches}{recompute}"
+            f"{self.micro_batch_size}x{count}{recompute}"
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -143,4 +191,5 @@ class Layout:
             "schedule": self.schedule.value,
             "virtual_stages": self.virtual_stages,
             "activation_checkpointing": self.activation_checkpointing,
+            **({"shares": list(self.shares)} if self.shares else {}),
         }

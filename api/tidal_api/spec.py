@@ -318,8 +318,9 @@ class StragglerSpec(Spec):
     )
     replan: bool = Field(
         False, description="When a flag is raised or cleared, re-partition the placement "
-        "units by the workers' measured speeds (same members, through the live switch) where "
-        "that is predicted to cut the slowest worker's time by at least minGain."
+        "units by the workers' measured speeds, and with data parallelism share the "
+        "micro-batches unevenly over the replicas (same members, through the live switch), "
+        "where that is predicted to cut the step's time by at least minGain."
     )
     min_gain: float = Field(
         0.1, ge=0, description="Least predicted gain (a fraction) a re-plan must bring."

@@ -15,14 +15,14 @@ TRAINING = {"steps": STEPS, "globalBatchSize": 8, "microBatchSize": 1, "seed": 3
             "warmupSteps": 2, "gradClip": 0.5}
 
 
-def _job(**stragglers):
-    return small_job("slow", model=MODEL, training=TRAINING,
+def _job(parallelism=None, **stragglers):
+    return small_job("slow", model=MODEL, training=TRAINING, parallelism=parallelism or {},
                      stragglers={"steps": 3, "factor": 2.5, **stragglers})
 
 
-def _layout(pp):
-    return build_layout(num_units=MODEL["layers"] + 2, workers=pp, micro_batch_size=1,
-                        num_micro_batches=8)
+def _layout(pp, dp=1):
+    return build_layout(num_units=MODEL["layers"] + 2, workers=pp * dp, dp=dp,
+                        micro_batch_size=1, num_micro_batches=8)
 
 
 def _bits(report):
@@ -70,3 +70,25 @@ def test_a_step_time_off_the_profile_for_long_is_profiled_again(tmp_path):
     first, again = report["profiles"]
     assert first["steps"] == [3, 8] and 9 + 5 <= again["steps"][0] < again["steps"][1] <= 24
     assert (tmp_path / "p.1.json").is_file()
+
+
+
+def test_a_slow_replica_gets_fewer_micro_batches_with_the_bits_of_one_process():
+    """dp 2 (strict): worker-1, one whole replica, turns 5x slower; the leader moves whole
+    logical replicas of micro-batches to worker-0, and back once it recovers. No state moves
+    between the workers: only who computes which micro-batches changes."""
+    strict_dp = {"elastic": "dp-pp", "consistency": "strict"}
+    alone = run_local(_job(strict_dp), _layout(1), steps=STEPS, timeout_s=60)
+    report = run_local(_job(strict_dp, replan=True), _layout(1, dp=2), steps=STEPS,
+                       timeout_s=60, slowdown=(("worker-1", 4, 12, 5.0),))
+    assert _bits(report) == _bits(alone)
+    assert [(s["member"], s["flagged"]) for s in report["stragglers"]] == [
+        ("worker-1", True), ("worker-1", False)]
+    there, back = report["replans"]
+    assert there["from"]["num_micro_batches"] == 4 and "shares" not in there["from"]
+    fast, slow = there["to"]["shares"]
+    assert fast + slow == 8 and slow < fast and there["gain"] > 0.3
+    assert there["to"]["partition"] == [10] and "shares" not in back["to"]
+    switches = report["reconfigurations"]
+    assert [(c["at_step"], c["bytes_moved"]) for c in switches] == [
+        (there["at_step"], 0), (back["at_step"], 0)]

@@ -3,6 +3,7 @@ are summed in one fixed tree, so any (dp, pp) layout, any sequence of them switc
 worker and a checkpoint moved between dp degrees give the float.hex losses and the parameter
 digest of one process."""
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -52,6 +53,14 @@ def test_every_dp_pp_layout_has_the_bits_of_one_process(alone, dp, pp, schedule)
     assert _bits(run_local(_job(), _layout(dp, pp, schedule), steps=STEPS, timeout_s=60)) == alone
 
 
+@pytest.mark.parametrize(("dp", "pp", "shares"), [(2, 2, (6, 2)), (4, 1, (1, 3, 2, 2))])
+def test_uneven_shares_of_the_micro_batches_have_the_bits_of_one_process(alone, dp, pp, shares):
+    """A slow replica's smaller share (the straggler re-plan's): each replica's block of logical
+    replicas ends as several subtrees of the tree, completed across the replicas."""
+    layout = dataclasses.replace(_layout(dp, pp), shares=shares)
+    assert _bits(run_local(_job(), layout, steps=STEPS, timeout_s=60)) == alone
+
+
 def test_switching_dp_and_pp_live_has_the_bits_and_moves_the_minimum(alone):
     """(1,4) -> (2,2) -> (4,1) -> (2,3) -> (1,4): the same members change layout, then two
     join, then they leave; each switch moves only what the new positions lack."""
@@ -91,6 +100,7 @@ def test_relaxed_dp_takes_the_backends_all_reduce():
     relaxed = small_job("sdp", model=MODEL, training=TRAINING,
                         parallelism={"elastic": "dp-pp", "consistency": "relaxed"})
     assert logical_replicas(relaxed.spec) == 1
-    report = run_local(relaxed, _layout(2, 2), steps=STEPS, timeout_s=60)
-    values = [s["loss"] for s in report["steps"]]
-    assert values[-1] < values[0]
+    for layout in _layout(2, 2), dataclasses.replace(_layout(2, 2), shares=(3, 5)):
+        report = run_local(relaxed, layout, steps=STEPS, timeout_s=60)
+        values = [s["loss"] for s in report["steps"]]
+        assert values[-1] < values[0]

@@ -102,3 +102,22 @@ def test_data_parallel_degree(parallelism, dp):
                                    "parallelism": parallelism,
                                    "training": {"globalBatchSize": 16, "microBatchSize": 2}})
     assert data_parallel_degree(spec) == dp
+
+
+from tidal_api.layout import Layout, LayoutError  # noqa: E402
+from tidal_plan.elastic import replica_subtrees, subtrees  # noqa: E402
+
+
+def test_a_block_of_logical_replicas_ends_as_its_aligned_subtrees():
+    assert subtrees(0, 8) == [(3, 0)]
+    assert subtrees(0, 5) == [(2, 0), (0, 4)]
+    assert subtrees(5, 8) == [(0, 5), (1, 3)]
+    assert subtrees(1, 7) == [(0, 1), (1, 1), (1, 2), (0, 6)]
+    even = Layout(dp=2, pp=1, partition=(4,), micro_batch_size=1, num_micro_batches=8)
+    assert replica_subtrees(even, 4) == [[(1, 0)], [(1, 1)]]
+    uneven = Layout(dp=2, pp=1, partition=(4,), micro_batch_size=1, num_micro_batches=8,
+                    shares=(12, 4))
+    assert replica_subtrees(uneven, 8) == [[(2, 0), (1, 2)], [(1, 3)]]
+    with pytest.raises(LayoutError, match="give each replica a multiple of 4"):
+        replica_subtrees(Layout(dp=2, pp=1, partition=(4,), micro_batch_size=1,
+                                num_micro_batches=8, shares=(10, 6)), 4)

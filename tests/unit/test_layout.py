@@ -39,3 +39,22 @@ def test_impossible_layouts_say_how_to_fix(kwargs, message):
         base["num_units"] = 5
     with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build_layout(**base, virtual_stages=2, **kwargs)
+
+
+def test_uneven_shares_place_each_replicas_micro_batches():
+    layout = Layout(dp=3, pp=1, partition=(4,), micro_batch_size=2, num_micro_batches=4,
+                    shares=(6, 2, 4))
+    assert [layout.replica_micro_batches(r) for r in range(3)] == [6, 2, 4]
+    assert [layout.replica_offset(r) for r in range(3)] == [0, 6, 8]
+    assert layout.global_micro_batches == 12
+    assert layout.replica_pipeline(1).num_micro_batches == 2
+    assert layout.describe() == "dp3 pp1 [4] 1f1b 2x6/2/4"
+    assert Layout(**layout.to_dict()) == layout
+    even = Layout(dp=2, pp=1, partition=(4,), micro_batch_size=2, num_micro_batches=4,
+                  shares=(4, 4))
+    assert even.shares == () and "shares" not in even.to_dict()  # one way to write it
+    assert even.replica_pipeline(1) is even and even.replica_offset(1) == 4
+    for shares in (6, 2), (6, 3, 4), (12, 0, 0):
+        with pytest.raises(LayoutError, match="sum to dp x numMicroBatches = 12"):
+            Layout(dp=3, pp=1, partition=(4,), micro_batch_size=2, num_micro_batches=4,
+                   shares=shares)

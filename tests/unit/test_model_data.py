@@ -87,3 +87,21 @@ def test_logical_replicas_add_in_a_tree_not_in_sequence():
         second.micro_batch_done(0, mb)
     second.finish()
     assert param.grad.item() == -1e8  # -1e8 + 1 rounds to -1e8
+
+
+def test_an_uneven_block_of_logical_replicas_ends_as_several_subtrees():
+    """Logical replicas 1..3 of four (a share that starts off the tree's alignment): replica 1
+    stays alone (its left sibling is elsewhere), 2 and 3 add into their parent."""
+    import torch
+
+    from tidal_agent.optim import LogicalReplicaGradients
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    block = LogicalReplicaGradients({0: [param]}, per_replica=2, mb_offset=2)
+    for mb in range(6):
+        grad = torch.tensor([float(10 ** (1 + mb // 2))])
+        param.grad = grad if param.grad is None else param.grad + grad
+        block.micro_batch_done(0, mb)
+    assert param.grad is None
+    assert [(level, index, [g.item() for g in grads]) for level, index, grads in block.take()] == [
+        (0, 1, [20.0]), (1, 1, [2200.0])]

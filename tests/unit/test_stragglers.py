@@ -1,13 +1,15 @@
 """Straggler detection and the speed-weighted re-partition (tidal_plan.stragglers)."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal_plan.layout import build_layout
 from tidal_plan.partition import balanced_partition
-from tidal_plan.stragglers import (StragglerDetector, drop_beats_keeping, rank_seconds,
-                                   replan_partition)
+from tidal_plan.stragglers import (StragglerDetector, drop_beats_keeping, fill_shares,
+                                   rank_seconds, replan_layout, replan_partition, step_seconds)
 
 
 def _feed(detector, first, times, steps):
@@ -129,3 +131,31 @@ def test_drift_asks_for_a_profile_once_after_the_steps():
     assert [drift.observe(s) for s in (1.2, 1.3, 1.3, 0.9, 1.4, 0.7, 1.5)] == [
         False, False, False, False, False, False, True]
     assert not drift.observe(1.5)  # disarmed until the next prediction
+
+
+def test_a_slow_replica_gets_fewer_micro_batches():
+    lay = build_layout(num_units=10, workers=2, dp=2, micro_batch_size=1, num_micro_batches=8)
+    seconds = [0.1] + [1.0] * 8 + [0.5]
+    assert fill_shares(lay, seconds, [1.0, 0.2]) == (7, 1)  # 7 x 8.6 s against 1 x 43 s
+    assert fill_shares(lay, seconds, [1.0, 0.2], unit=2) == (6, 2)
+    assert fill_shares(lay, seconds, [1.0, 1.0]) == (4, 4)
+    plan = replan_layout(lay, seconds, [1.0, 0.2], range(1, 9), share_unit=1)
+    assert plan.layout.shares == (7, 1) and plan.layout.partition == (10,)
+    assert plan.was_s == pytest.approx(4 * 43) and plan.step_s == pytest.approx(7 * 8.6)
+    assert replan_layout(lay, seconds, [1.0, 0.2], share_unit=0).layout == lay  # shares fixed
+    back = replan_layout(plan.layout, seconds, [1.0, 1.0], share_unit=1)
+    assert back.layout == lay and back.gain == pytest.approx(7 / 4 - 1)
+
+
+def test_replicas_share_the_partition_and_the_faster_plan_wins():
+    """dp 2 x pp 2 with the second replica's last rank at half speed: moving units off pipeline
+    rank 1 (for both replicas) beats giving the slow replica fewer micro-batches."""
+    lay = build_layout(num_units=10, workers=4, dp=2, micro_batch_size=1, num_micro_batches=16)
+    seconds = [0.1] + [1.0] * 8 + [0.5]
+    speeds = [1.0, 1.0, 1.0, 0.5]
+    assert step_seconds(lay, seconds, speeds) == pytest.approx(9 * 9.0)
+    plan = replan_layout(lay, seconds, speeds, range(1, 9), share_unit=2)
+    assert plan.layout.partition == (7, 3) and plan.layout.shares == ()
+    assert plan.step_s == pytest.approx(9 * 6.1)
+    shared = replace(lay, shares=fill_shares(lay, seconds, speeds, unit=2))
+    assert shared.shares == (12, 4) and step_seconds(shared, seconds, speeds) > plan.step_s
