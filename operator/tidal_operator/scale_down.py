@@ -104,8 +104,8 @@ def make_room(
     the cheapest over the nodes wins (then the node name). A plan's cost is the jobs' lost
     tokens/s as fractions of their throughput at the start of this call, summed: absolute
     tokens/s of different models do not compare, and the relative loss of one more worker is
-    small for a large job and large for a small one, the mirror of the fewest-workers-first
-    scale-up. Minimising the summed loss for the GPUs needed takes them from the jobs that lose
+    small for a large job and large for a small one, the mirror of the scale-up's gain per
+    GPU. Minimising the summed loss for the GPUs needed takes them from the jobs that lose
     least per freed GPU, and shrinks each only as far as needed. Jobs that are busy, disabled,
     without a scale table, or whose members are not all bound and labelled theirs are not
     touched. A pod no plan makes room for just waits; the GPUs of later decisions stay free for
