@@ -9,9 +9,10 @@ static included; the largest trace's against the 60 s target). Beside them, each
 ceiling: static's mean elastic JCT over what it would be if every elastic job ran at its
 table's cap from its start (``Simulation.ceiling_speedup``). Prints JSON.
 
-    python bench/sim.py [--traces DIR] [--out DIR] [--doc FILE] [--json FILE] [--seed 0]
-                        [--load 0.8] [--share 0.3] [--cluster default|elasticflow]
-                        [--pause-scale 1] [--peer-snapshots]
+    python bench/sim.py [--traces DIR] [--out DIR] [--doc FILE] [--section sim]
+                        [--json FILE] [--seed 0] [--load 0.8] [--share 0.3]
+                        [--cluster default|elasticflow] [--pause-scale 1] [--peer-snapshots]
+                        [--threshold 0.99] [--tradeoff 0.6,0.9,0.99] [--start-below 0.25]
 
 ``--load`` and ``--share`` change the defaults of ``tidal sim`` for a sensitivity run;
 ``--pause-scale 0`` makes every switch free, to show how much the switch cost takes.
@@ -21,9 +22,15 @@ released workers' keepers stay, as the agent does with peer snapshots.
 simulated each trace on (ElasticFlow's artifact, ``scheduler/run_fig8b.sh``: 64 nodes of 8
 GPUs, 128 for cluster04/07/08/09, 32 for the others).
 
+``--threshold`` is tidal's ``probabilityThreshold`` (the spec's default otherwise);
+``--tradeoff 0.6,0.9,0.99`` also runs tidal at each of those thresholds and reports its
+geometric-mean JCT speedup and worst queue ratio at each, the trade-off between the two;
+``--start-below F`` lets elastic jobs start with ``F`` of their request where no more is free.
+
 ``--out DIR`` also writes each run's report and plots under ``DIR/<trace>-<tables>/``;
 ``--doc FILE`` puts the Markdown tables into FILE between its ``<!-- sim:begin -->`` and
-``<!-- sim:end -->`` lines (docs/simulator.md is kept that way).
+``<!-- sim:end -->`` lines (``--section NAME`` for another pair; docs/simulator.md is kept
+that way).
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubl
 from rich.console import Console  # noqa: E402
 
 from tidal_sim.cli import print_table, run_trace  # noqa: E402
-from tidal_sim.engine import POLICIES  # noqa: E402
+from tidal_sim.engine import DEFAULT_THRESHOLD, POLICIES, tradeoff  # noqa: E402
+from tidal_sim.trace import load_trace, mark_elastic  # noqa: E402
 from tidal_sim.plots import write_plots  # noqa: E402
 from tidal_sim.trace import DEFAULT_LOAD, DEFAULT_SHARE  # noqa: E402
 
@@ -89,13 +97,28 @@ def summary_markdown(results: list[dict], summary: dict) -> str:
             f"**{means[p]['jct_speedup_geomean']:.2f}x** / {_worst(means[p])}"
             for p in policies) + f" | {means['ceiling_jct_speedup_geomean']:.2f}x | |")
         lines += ["", f"Target (tidal): geometric mean at least {TARGETS[elastic]}x, every "
-                      f"queue ratio at most 1.00.", ""]
+                      f"queue ratio at most 1.000.", ""]
+    if any(r["tradeoff"] for r in results):
+        lines += ["#### tidal over the threshold (geometric mean JCT speedup / worst queue "
+                  "ratio)", "", "| threshold | PP-only | DP+PP |", "|---|---|---|"]
+        for i, point in enumerate(summary["pp"]["tradeoff"]):
+            cells = [f"{summary[e]['tradeoff'][i]['jct_speedup_geomean']:.3f}x / "
+                     f"{_worst(summary[e]['tradeoff'][i])}" for e in ELASTIC]
+            lines.append(f"| {point['threshold']:g} | " + " | ".join(cells) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
 def _worst(entry: dict) -> str:
     worst = entry["queue_ratio_worst"]
-    return "n/a" if worst is None else f"{worst:.3f}"
+    return "n/a" if worst is None else f"{worst:.4f}"
+
+
+def summarise(points: list[dict], key: str = "jct_speedup") -> dict:
+    """The geometric mean of ``key`` over the traces' ``points`` and the worst queue ratio."""
+    ratios = [p["queue_ratio"] for p in points]
+    return {f"{key}_geomean": geomean([p[key] for p in points]),
+            "queue_ratio_worst": None if None in ratios else max(ratios)}
 
 
 def main() -> None:
@@ -114,7 +137,16 @@ def main() -> None:
                         help="multiply every switch's pause (0: free switches)")
     parser.add_argument("--peer-snapshots", action="store_true",
                         help="tidal's jobs keep peer snapshots (see tidal sim --help)")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                        help="tidal's probabilityThreshold")
+    parser.add_argument("--start-below", type=float, default=0.0,
+                        help="elastic jobs may start with this fraction of their request")
+    parser.add_argument("--tradeoff", default="",
+                        help="comma-separated thresholds to run tidal at besides")
+    parser.add_argument("--section", default="sim",
+                        help="the --doc section: <!-- SECTION:begin --> ... <!-- SECTION:end -->")
     args = parser.parse_args()
+    thresholds = [float(t) for t in args.tradeoff.split(",") if t.strip()]
     traces = sorted(args.traces.glob("*.csv"))
     if not traces:
         parser.error(f"no *.csv trace in {args.traces}")
@@ -124,11 +156,14 @@ def main() -> None:
         for trace in traces:
             started = time.perf_counter()
             nodes = elasticflow_nodes(trace) if args.cluster == "elasticflow" else None
-            report, runs = run_trace(trace, elastic=elastic, seed=args.seed, load=args.load,
-                                     share=args.share, nodes=nodes,
-                                     pause_scale=args.pause_scale,
-                                     peer_snapshots=args.peer_snapshots, console=console)
-            report["seconds"] = time.perf_counter() - started
+            options = dict(elastic=elastic, seed=args.seed, pause_scale=args.pause_scale,
+                           peer_snapshots=args.peer_snapshots, start_below=args.start_below)
+            report, runs = run_trace(trace, load=args.load, share=args.share, nodes=nodes,
+                                     threshold=args.threshold, console=console, **options)
+            report["seconds"] = time.perf_counter() - started  # all four policies
+            jobs = mark_elastic(load_trace(trace), share=args.share)
+            report["tradeoff"] = tradeoff(jobs, report["nodes"], thresholds,
+                                          runs["static"].report, **options)
             print_table(report, console)
             if args.out is not None:
                 where = args.out / f"{trace.stem}-{elastic}"
@@ -143,24 +178,24 @@ def main() -> None:
         summary[elastic] = {"ceiling_jct_speedup_geomean": geomean(
             [r["ceiling_jct_speedup"] for r in runs])}
         for policy in POLICIES:
-            ratios = [r["policies"][policy]["queue_ratio"] for r in runs]
-            summary[elastic][policy] = {
-                "jct_speedup_geomean": geomean([r["policies"][policy]["jct_speedup"]
-                                                for r in runs]),
-                "queue_ratio_worst": None if None in ratios else max(ratios),
-            }
+            summary[elastic][policy] = summarise([r["policies"][policy] for r in runs])
+        summary[elastic]["tradeoff"] = [
+            {"threshold": t} | summarise([r["tradeoff"][i] for r in runs])
+            for i, t in enumerate(thresholds)]
     largest = max(traces, key=lambda t: t.stat().st_size)
     out = {
         "benchmark": "sim", "seed": args.seed, "load": args.load, "share": args.share,
         "cluster": args.cluster, "pause_scale": args.pause_scale,
-        "peer_snapshots": args.peer_snapshots,
+        "peer_snapshots": args.peer_snapshots, "threshold": args.threshold,
+        "start_below": args.start_below,
         "traces": [t.name for t in traces],
         "targets": TARGETS, "summary": summary,
         "largest_trace": largest.name,
         "largest_trace_seconds": {r["elastic"]: r["seconds"] for r in results
                                   if r["trace"] == str(largest)},
         "runs": [{k: r[k] for k in ("trace", "elastic", "nodes", "gpus", "jobs",
-                                    "elastic_jobs", "ceiling_jct_speedup", "seconds")}
+                                    "elastic_jobs", "ceiling_jct_speedup", "seconds",
+                                    "tradeoff")}
                  | {"policies": {p: {k: r["policies"][p][k]
                                      for k in ("jct_speedup", "queue_ratio")}
                                  for p in POLICIES}} for r in results],
@@ -171,7 +206,7 @@ def main() -> None:
         args.json.write_text(text + "\n")
     if args.doc is not None:
         doc = args.doc.read_text()
-        begin, end = "<!-- sim:begin -->\n", "<!-- sim:end -->"
+        begin, end = f"<!-- {args.section}:begin -->\n", f"<!-- {args.section}:end -->"
         if begin not in doc or end not in doc:
             sys.exit(f"{args.doc} has no {begin.strip()} ... {end} section to rewrite")
         head, rest = doc.split(begin, 1)

@@ -65,22 +65,42 @@ _REQUIRED = {
 class WorkersSpec(Spec):
     """How many worker pods the job may run with."""
 
-    model_config = cel(
-        "self.min <= self.max",
-        "workers.min must not exceed workers.max",
-        '"workers.min (" + string(self.min) + ") must not exceed workers.max ("'
-        ' + string(self.max) + ")"',
+    model_config = cel_rules(
+        cel_rule(
+            "self.min <= self.max",
+            "workers.min must not exceed workers.max",
+            '"workers.min (" + string(self.min) + ") must not exceed workers.max ("'
+            ' + string(self.max) + ")"',
+        ),
+        cel_rule(
+            "!has(self.preferred) || (self.min <= self.preferred && self.preferred <= self.max)",
+            "workers.preferred must lie between workers.min and workers.max",
+            '"workers.preferred (" + string(self.preferred) + ") must lie between workers.min ("'
+            ' + string(self.min) + ") and workers.max (" + string(self.max) + ")"',
+        ),
     )
 
     min: int = Field(ge=1, le=MAX_WORKERS,
-                     description="Workers the job starts with and never goes below.")
+                     description="Fewest workers the job runs with; it never goes below.")
     max: int = Field(ge=1, le=MAX_WORKERS, description="Most workers the job may grow to.")
+    preferred: int | None = Field(
+        None, ge=1, le=MAX_WORKERS, description="Workers the job asks to start with (default "
+        "min). Where fewer GPUs are free it starts with what is free, never below min, and "
+        "grows by the scaling rules.")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> WorkersSpec:
         if self.min > self.max:
             raise ValueError(f"workers.min ({self.min}) must not exceed workers.max ({self.max})")
+        if self.preferred is not None and not self.min <= self.preferred <= self.max:
+            raise ValueError(f"workers.preferred ({self.preferred}) must lie between "
+                             f"workers.min ({self.min}) and workers.max ({self.max})")
         return self
+
+    @property
+    def start(self) -> int:
+        """The workers the job asks to start with."""
+        return self.min if self.preferred is None else self.preferred
 
 
 class ModelSpec(Spec):
@@ -278,9 +298,12 @@ class ScalingSpec(Spec):
         True, description="Let the operator grow the job into idle GPUs; false keeps it at min."
     )
     probability_threshold: float = Field(
-        0.6, ge=0, le=1, description="Scale up only if the probability that the idle window "
+        0.99, ge=0, le=1, description="Scale up only if the probability that the idle window "
         "outlasts the switch overhead (a switch up and one back down), "
-        "exp(-rate x overhead / gain), exceeds this."
+        "exp(-rate x overhead / gain), exceeds this, and take the last free GPUs only if the "
+        "probability that no non-elastic pod needing them arrives within the release latency "
+        "(a step and a switch) exceeds it too. Lower values scale up more and make non-elastic "
+        "pods wait more (docs/simulator.md has the trade-off)."
     )
     min_gain: float = Field(
         0.05, ge=0, description="Least relative throughput gain a larger scale-table row must "

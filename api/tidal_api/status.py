@@ -80,6 +80,7 @@ class Arrival(_Status):
 
     pod: str = Field(description="namespace/name of the pod.")
     created_at: str = Field(description="RFC 3339 creationTimestamp of the pod.")
+    gpus: int = Field(1, ge=1, description="GPUs the pod asked for (the headroom rule's).")
 
 
 class Straggler(_Status):

@@ -106,10 +106,12 @@ class Rows:
 
     workers: list[int]
     tps: list[float]
+    step_s: list[float]
 
     @classmethod
     def of(cls, table: ScaleTable) -> Rows:
-        return cls([r.workers for r in table.rows], [r.tokens_per_second for r in table.rows])
+        return cls([r.workers for r in table.rows], [r.tokens_per_second for r in table.rows],
+                   [r.step_seconds for r in table.rows])
 
     def at_most(self, workers: int) -> int:
         """Index of the largest row with at most ``workers`` (where the job runs), or -1."""

@@ -76,8 +76,8 @@ class Controller:
     clock: Callable[[], float] = time.time  # epoch seconds: the rounds' ``now``
     written: Written = field(default_factory=Written)
     lifecycle: Lifecycle = field(init=False)
-    # non-elastic GPU pod -> created: the arrivals seen, which each job's status keeps too
-    _arrivals: dict[str, float] = field(default_factory=dict)
+    # non-elastic GPU pod -> (created, GPUs): the arrivals seen, which each job's status keeps
+    _arrivals: dict[str, tuple[float, int]] = field(default_factory=dict)
     _parsed: dict[tuple[str, str], ElasticTrainingJob | str] = field(default_factory=dict)
     last_round: float = 0.0
 
@@ -110,13 +110,17 @@ class Controller:
         decisions = decide(snapshot, now)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self._observe_cluster(snapshot, now)
+        starts = {d.job: d for d in decisions if d.kind == "start"}
         for view in views.values():
             try:
-                await self.lifecycle.reconcile(view, self._job_pods(view), now)
+                await self.lifecycle.reconcile(view, self._job_pods(view), now,
+                                               start=starts.get(view.key))
                 await self._keep_arrivals(view, now)
             except ApiUnavailable as err:
                 log.warning("%s: %s (retrying next round)", view.key, err)
         for decision in decisions:
+            if decision.kind == "start":
+                continue  # the lifecycle's: the job's first target and pods
             try:
                 await self.apply(views[decision.job], decision, now)
             except ApiUnavailable as err:
@@ -158,8 +162,10 @@ class Controller:
                      default=DEFAULT_WINDOW_S)
         self._see_arrivals(views, pods, now - window)
         jobs = tuple(self._elastic_job(v) for v in views.values())
+        arrivals = sorted(self._arrivals.values())
         return Snapshot(nodes=nodes, pods=pods, jobs=jobs,
-                        arrivals=tuple(sorted(self._arrivals.values())), window_seconds=window)
+                        arrivals=tuple(t for t, _ in arrivals), window_seconds=window,
+                        arrival_gpus=tuple(g for _, g in arrivals))
 
     def _see_arrivals(self, views: Mapping[str, JobView], pods: Iterable[Pod],
                       since: float) -> None:
@@ -168,11 +174,12 @@ class Controller:
         now; each pod counted once, at its first creation time seen."""
         for view in views.values():
             for arrival in view.status.arrivals:
-                self._arrivals.setdefault(arrival.pod, parse_time(arrival.created_at) or 0.0)
+                self._arrivals.setdefault(
+                    arrival.pod, (parse_time(arrival.created_at) or 0.0, arrival.gpus))
         for pod in pods:
             if pod.job is None and pod.gpus > 0:
-                self._arrivals.setdefault(pod.key, pod.created)
-        for key, created in list(self._arrivals.items()):
+                self._arrivals.setdefault(pod.key, (pod.created, pod.gpus))
+        for key, (created, _) in list(self._arrivals.items()):
             if created < since:
                 del self._arrivals[key]
 
@@ -182,8 +189,10 @@ class Controller:
         if view.status.phase in FINISHED_PHASES:
             return
         since = now - view.job.spec.scaling.arrival_window_seconds
-        kept = tuple(Arrival(pod=key, created_at=rfc3339(created)) for created, key in sorted(
-            (created, key) for key, created in self._arrivals.items() if created >= since))
+        kept = tuple(Arrival(pod=key, created_at=rfc3339(created), gpus=gpus)
+                     for created, key, gpus in sorted(
+                         (created, key, gpus) for key, (created, gpus) in self._arrivals.items()
+                         if created >= since))
         if kept != self.written.arrivals.get(view.key, view.status.arrivals):
             await self.adapter.patch_status(view.name, view.namespace,
                                             status_patch(arrivals=kept))
@@ -221,6 +230,7 @@ class Controller:
             enabled=spec.scaling.enabled,
             placement=Placement.of(spec.template.node_selector, spec.template.tolerations),
             slow=tuple(f"{view.namespace}/{s.member}" for s in status.stragglers if s.release),
+            unstarted=target is None, preferred_workers=spec.workers.preferred,
         )
 
     def _job_pods(self, view: JobView) -> dict[str, Pod]:

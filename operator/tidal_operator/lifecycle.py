@@ -34,6 +34,7 @@ from tidal_operator import builders
 from tidal_operator.adapter import Adapter, rfc3339
 from tidal_operator.metrics import Metrics
 from tidal_operator.snapshot import FINISHED_PHASES, Pod, parse_time
+from tidal_operator.policy import Decision
 from tidal_operator.view import JobView, Written
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,10 @@ class Lifecycle:
     metrics: Metrics
     written: Written
 
-    async def reconcile(self, view: JobView, pods: Mapping[str, Pod], now: float) -> None:
-        """One round of one job; ``pods`` are its pods by name."""
+    async def reconcile(self, view: JobView, pods: Mapping[str, Pod], now: float,
+                        start: Decision | None = None) -> None:
+        """One round of one job; ``pods`` are its pods by name; ``start``, for a job with no
+        target yet, is the policy's count of its first workers."""
         job, status = view.job, view.status
         if view.uid not in self.written.services:
             await self.adapter.create(builders.headless_service(job, uid=view.uid))
@@ -71,7 +74,7 @@ class Lifecycle:
             if self.written.started.get(view.key) == view.uid:
                 return  # the first target this loop wrote is not in this view yet
             if not pods:
-                await self._initial_target(view, now)
+                await self._initial_target(view, now, start)
             for name, pod in pods.items():  # a restart's (or a job's of the same name before):
                 if not pod.deleting:  # they go first, since the new pods take their names
                     await self.adapter.delete_pod(name, view.namespace)
@@ -228,9 +231,12 @@ class Lifecycle:
         await self.adapter.event(dict(view.body), reason="TargetSuperseded", warning=True,
                                  now=now, message=line)
 
-    async def _initial_target(self, view: JobView, now: float) -> None:
+    async def _initial_target(self, view: JobView, now: float, start: Decision | None) -> None:
+        """The first target: the policy's count (up to ``workers.preferred`` where it finds
+        the GPUs free, never below ``workers.min``), else the count the job asks for."""
         job = view.job
-        join = tuple(builders.worker_name(view.name, i) for i in range(job.spec.workers.min))
+        count = start.to_workers if start is not None else job.spec.workers.start
+        join = tuple(builders.worker_name(view.name, i) for i in range(count))
         target = Target(workers=len(join), generation=0, reason="Initial", join=join,
                         issued_at=rfc3339(now))
         await self.adapter.patch_status(view.name, view.namespace, status_patch(
@@ -239,8 +245,10 @@ class Lifecycle:
         for i in range(len(join)):
             await self.adapter.create(builders.worker_pod(job, uid=view.uid, index=i,
                                                           generation=0))
+        why = f" ({start.message})" if start is not None else ""
         await self.adapter.event(dict(view.body), reason="Created", now=now,
-                                 message=f"created {len(join)} worker pods: {', '.join(join)}")
+                                 message=f"created {len(join)} worker pods: {', '.join(join)}"
+                                         + why)
 
     async def _report(self, view: JobView, pods: Mapping[str, Pod], applied: bool,
                       now: float) -> None:

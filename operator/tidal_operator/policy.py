@@ -49,6 +49,7 @@ IDLE_GPUS = "IdleGPUs"
 PENDING_GPU_PODS = "PendingGPUPods"
 BELOW_MINIMUM = "BelowMinimum"
 STRAGGLER = "Straggler"
+STARTED = "Initial"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,7 +64,7 @@ class Decision:
     """
 
     job: str
-    kind: Literal["scale_up", "scale_down"]
+    kind: Literal["start", "scale_up", "scale_down"]
     from_workers: int
     to_workers: int
     reason: str
@@ -97,7 +98,7 @@ def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
     where = Where(snapshot)
     # A restored job is below its minimum, which no scale-down goes under; its new workers
     # are yet to be bound, and no scale-up runs while a joiner waits for its node.
-    restored = _restore(snapshot, free, where)
+    restored = _start(snapshot, free, where) + _restore(snapshot, free, where)
     if pending:
         shrunk = make_room(snapshot, free, pending, workers, where)
         return restored + tuple(_released(job) for job in shrunk)
@@ -107,6 +108,37 @@ def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
     busy = {d.job for d in dropped}
     grown = _scale_up(snapshot, FreeGPUs(free), now, where, skip=busy)
     return dropped + grown
+
+
+def start_workers(job: ElasticJob, free: FreeGPUs, allowed: frozenset[str] | None
+                  ) -> tuple[int, list[str]]:
+    """A new job's first workers: its preferred count where that many fit on the free GPUs,
+    else what fits, never below its minimum (the rest wait for GPUs, pending pods that the
+    scale-down makes room for); and the nodes of those that fit, taken out of ``free``."""
+    nodes = place(free, job.preferred, job.gpus_per_worker, allowed)
+    return max(job.min_workers, len(nodes)), nodes
+
+
+def _start(snapshot: Snapshot, free: dict[str, int], where: Where) -> tuple[Decision, ...]:
+    """The first workers of each new job (no target yet), by key: see :func:`start_workers`.
+    Neither the Poisson rule nor the cooldown applies: the minimum is owed, and the workers
+    above it are what its owner asked for, on GPUs no pod waits for."""
+    decisions = []
+    gpus = None
+    for job in sorted(snapshot.jobs, key=lambda j: j.key):
+        if not job.unstarted:
+            continue
+        gpus = gpus or FreeGPUs(free)  # takes the GPUs it places out of ``free``
+        count, nodes = start_workers(job, gpus, where(job.placement))
+        below = f", {job.preferred - count} below its preferred {job.preferred}" if (
+            count < job.preferred) else ""
+        decisions.append(Decision(
+            job=job.key, kind="start", from_workers=0, to_workers=count, reason=STARTED,
+            nodes=tuple(nodes),
+            message=f"{count} workers{below}: {len(nodes)} fit on free GPUs"
+                    + (f" ({placed(nodes)})" if nodes else ""),
+        ))
+    return tuple(decisions)
 
 
 def _restore(snapshot: Snapshot, free: dict[str, int], where: Where) -> tuple[Decision, ...]:
@@ -170,6 +202,33 @@ def arrival_rate(arrivals: list[float], now: float, window: float) -> float:
     return (bisect_right(arrivals, now) - bisect_left(arrivals, now - window)) / window
 
 
+class Arrivals:
+    """The snapshot's non-elastic arrivals in time order, with their GPUs: the Poisson rule's
+    rate, and the rate of those that would not fit in what a scale-up leaves free."""
+
+    __slots__ = ("times", "_gpus", "_sizes")
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        gpus = snapshot.arrival_gpus or (1,) * len(snapshot.arrivals)  # unknown: the least
+        pairs = sorted(zip(snapshot.arrivals, gpus, strict=True))
+        self.times = [t for t, _ in pairs]
+        self._gpus = [g for _, g in pairs]
+        self._sizes: dict[tuple[float, float], list[float]] = {}
+
+    def rate(self, now: float, window: float) -> float:
+        return arrival_rate(self.times, now, window)
+
+    def rate_needing(self, left: int, idle: int, now: float, window: float) -> float:
+        """Arrivals per second over the window that the ``idle`` GPUs would hold and the
+        ``left`` of them would not: more than ``left`` GPUs, at most ``idle``."""
+        key = (now, window)
+        if key not in self._sizes:
+            first, end = bisect_left(self.times, now - window), bisect_right(self.times, now)
+            self._sizes[key] = sorted(self._gpus[first:end])
+        sizes = self._sizes[key]
+        return (bisect_right(sizes, idle) - bisect_right(sizes, left)) / window
+
+
 def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
               where: Where, skip: frozenset[str] | set[str] = frozenset()) -> tuple[Decision, ...]:
     """Give idle GPUs first to the job whose predicted completion time gains most per GPU
@@ -183,7 +242,7 @@ def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
     """
     if free.idle <= 0:
         return ()
-    arrivals = sorted(snapshot.arrivals)
+    arrivals = Arrivals(snapshot)
 
     def offer(job: ElasticJob) -> Offer | None:
         return _offer(job, free, where(job.placement), arrivals, snapshot.window_seconds, now)
@@ -245,7 +304,7 @@ class Offer:
 
 
 def _offer(job: ElasticJob, free: FreeGPUs, allowed: frozenset[str] | None,
-           arrivals: list[float], window: float, now: float) -> Offer | None:
+           arrivals: Arrivals, window: float, now: float) -> Offer | None:
     """The job's scale-up, or None. The rows above its count, up to its cap (maxWorkers and
     maxScaleFactor x minWorkers) and as far as new workers fit on the idle GPUs of the nodes
     its placement allows (each worker on one node, best fit), are the candidates; it takes the
@@ -268,11 +327,15 @@ def _offer(job: ElasticJob, free: FreeGPUs, allowed: frozenset[str] | None,
     last = rows.at_most(min(job.cap, job.workers + free.slots(job.gpus_per_worker, allowed)))
     if here < 0 or last < first:
         return None
+    window = job.arrival_window_seconds or window
+    last = _headroom(job, rows, first, last, free.idle, arrivals, now, window)
+    if last < first:
+        return None
     best = max(range(first, last + 1), key=lambda i: (rows.tps[i], -i))
     gain = rows.tps[best] / rows.tps[here] - 1
     if gain <= 0 or gain < job.min_gain:
         return None
-    rate = arrival_rate(arrivals, now, job.arrival_window_seconds or window)
+    rate = arrivals.rate(now, window)
     overhead = 2 * job.switch_seconds
     probability = math.exp(-rate * overhead / gain)
     if probability <= job.probability_threshold:
@@ -280,6 +343,25 @@ def _offer(job: ElasticJob, free: FreeGPUs, allowed: frozenset[str] | None,
     per_gpu = gain / ((rows.workers[best] - job.workers) * job.gpus_per_worker)
     return Offer(job=job, allowed=allowed, to_workers=rows.workers[best], gain=gain,
                  per_gpu=per_gpu, probability=probability, rate=rate, overhead=overhead)
+
+
+def _headroom(job: ElasticJob, rows: Rows, first: int, last: int, idle: int,
+              arrivals: Arrivals, now: float, window: float) -> int:
+    """The last candidate row that leaves enough GPUs free. A scale-up does not take the last
+    free GPUs where a non-elastic arrival that needs them is likely within the release latency
+    (the wait for the job's step boundary, at most a step, then the drain, a switch), priced as
+    the scale-up rule prices its window: the arrivals are Poisson at the rate over the job's
+    window, counting only those that the idle GPUs would hold and what the row leaves free
+    would not, and ``P(none within the latency) = exp(-rate x latency)`` must exceed
+    ``probabilityThreshold``. (An arrival of unknown size counts as one GPU, the least.)"""
+    latency = rows.step_s[rows.at_most(job.workers)] + job.switch_seconds
+    while last >= first:
+        left = idle - (rows.workers[last] - job.workers) * job.gpus_per_worker
+        rate = arrivals.rate_needing(left, idle, now, window)
+        if math.exp(-rate * latency) > job.probability_threshold:
+            break
+        last -= 1
+    return last
 
 
 def _released(job: Shrinkable) -> Decision:

@@ -178,6 +178,10 @@ class ElasticJob:
     placement: Placement = ANYWHERE
     # Members the agent asks to release as stragglers (status.stragglers[].release).
     slow: tuple[str, ...] = ()
+    # No target yet: the operator is to start it, with up to ``preferred_workers``
+    # (spec.workers.preferred; None: the minimum).
+    unstarted: bool = False
+    preferred_workers: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:
@@ -187,6 +191,11 @@ class ElasticJob:
             )
         if self.gpus_per_worker < 1 or self.max_scale_factor < 1:
             raise ValueError(f"{self.key}: gpus_per_worker and max_scale_factor must be >= 1")
+
+    @property
+    def preferred(self) -> int:
+        """The workers it asks to start with."""
+        return self.min_workers if self.preferred_workers is None else self.preferred_workers
 
     @property
     def cap(self) -> int:
@@ -208,6 +217,9 @@ class Snapshot:
     jobs: tuple[ElasticJob, ...] = ()
     arrivals: tuple[float, ...] = ()
     window_seconds: float = 28800.0
+    # The GPUs of each of ``arrivals``, in the same order; empty where unknown (each then
+    # counts as one GPU, the least a GPU pod asks for).
+    arrival_gpus: tuple[int, ...] = ()
 
     def used_gpus(self) -> dict[str, int]:
         """GPUs held on each node by the pods bound to it that have not finished."""

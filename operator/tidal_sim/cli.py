@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tidal_sim.engine import POLICIES, Outcome, compare
+from tidal_sim.engine import DEFAULT_THRESHOLD, POLICIES, Outcome, compare, tradeoff
 from tidal_sim.trace import (
     DEFAULT_LOAD, DEFAULT_SHARE, GPUS_PER_NODE, default_nodes, load_trace, mark_elastic,
 )
@@ -36,6 +36,16 @@ def _policies(ctx, param, value: str) -> tuple[str, ...]:
     return names
 
 
+def _thresholds(ctx, param, value: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        out = (-1.0,)
+    if any(not 0 <= t < 1 for t in out):
+        raise click.BadParameter(f"give thresholds in [0, 1) separated by commas; got {value!r}")
+    return out
+
+
 def elastic_rule(share: float) -> str:
     return (f"largest jobs by GPU-hours up to {share:.0%} of the trace's, multiples of 8 GPUs "
             f"only; FlexTrain small <= 32 GPUs, medium <= 128, large above; minimum = requested "
@@ -45,9 +55,12 @@ def elastic_rule(share: float) -> str:
 def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
               share: float = DEFAULT_SHARE, load: float = DEFAULT_LOAD, nodes: int | None = None,
               seed: int = 0, pause_scale: float = 1.0, peer_snapshots: bool = False,
+              threshold: float = DEFAULT_THRESHOLD, start_below: float = 0.0,
+              tradeoff_at: tuple[float, ...] = (),
               console: Console | None = None) -> tuple[dict, dict[str, Outcome]]:
-    """Simulate ``policies`` (and static) over one trace with a progress bar per policy;
-    the JSON report and each policy's :class:`Outcome`."""
+    """Simulate ``policies`` (and static) over one trace with a progress bar per policy, and
+    tidal at each threshold of ``tradeoff_at``; the JSON report and each policy's
+    :class:`Outcome`."""
     try:
         jobs = mark_elastic(load_trace(trace_path), share=share)
     except ValueError as exc:
@@ -66,9 +79,12 @@ def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
         bars = {n: progress.add_task(f"{trace_path.stem} {n} ({elastic})", total=1.0)
                 for n in names}
         try:
-            runs = compare(jobs, nodes, policies=policies, elastic=elastic, seed=seed,
+            options = dict(elastic=elastic, seed=seed, pause_scale=pause_scale,
+                           peer_snapshots=peer_snapshots, start_below=start_below)
+            runs = compare(jobs, nodes, policies=policies, threshold=threshold,
                            progress=lambda n, f: progress.update(bars[n], completed=f),
-                           pause_scale=pause_scale, peer_snapshots=peer_snapshots)
+                           **options)
+            curve = tradeoff(jobs, nodes, list(tradeoff_at), runs["static"].report, **options)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
     report = {
@@ -76,6 +92,7 @@ def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
         "gpus": GPUS_PER_NODE * nodes,
         "elastic": elastic, "seed": seed, "share": share, "load": load,
         "pause_scale": pause_scale, "peer_snapshots": peer_snapshots,
+        "threshold": threshold, "start_below": start_below, "tradeoff": curve,
         "jobs": len(jobs), "elastic_jobs": sum(1 for j in jobs if j.size),
         "elastic_rule": elastic_rule(share),
         "ceiling_jct_speedup": runs["static"].ceiling_speedup,
@@ -97,6 +114,15 @@ def print_table(report: dict, console: Console) -> None:
         table.add_row(name, *("n/a" if run[key] is None else fmt.format(run[key])
                               for key, _, fmt in _COLUMNS))
     console.print(table)
+    if report["tradeoff"]:
+        curve = Table(title="tidal: elastic JCT against non-elastic queue, over the threshold")
+        for title in ("threshold", "JCT speedup", "queue ratio"):
+            curve.add_column(title, justify="right")
+        for point in report["tradeoff"]:
+            queue = point["queue_ratio"]
+            curve.add_row(f"{point['threshold']:g}", f"{point['jct_speedup']:.2f}x",
+                          "n/a" if queue is None else f"{queue:.4f}x")
+        console.print(curve)
 
 
 @click.command()
@@ -124,6 +150,17 @@ def print_table(report: dict, console: Console) -> None:
                    "scale-down whose released workers' keepers stay frees their GPUs at the "
                    "step boundary. Their per-step cost and memory are not modelled; at "
                    "FlexTrain's sizes they would need host memory.")
+@click.option("--threshold", type=click.FloatRange(0, 1, max_open=True),
+              default=DEFAULT_THRESHOLD, show_default=True,
+              help="tidal's scaling.probabilityThreshold: the Poisson rule's and the headroom "
+                   "rule's (flextrain keeps its 0.6, greedy has none).")
+@click.option("--tradeoff", "tradeoff_at", callback=_thresholds, default="",
+              help="Comma-separated thresholds to run tidal at besides, e.g. "
+                   "0.6,0.9,0.99,0.999: its JCT speedup and queue ratio at each.")
+@click.option("--start-below", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Elastic jobs may start with this fraction of their request (at least one "
+                   "worker) where no more is free, as spec.workers.preferred above "
+                   "workers.min lets them, and grow by the rules (0: off; static never).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seeds the spread of switch pauses and waits; the same seed gives the same "
                    "report.")
@@ -131,12 +168,13 @@ def print_table(report: dict, console: Console) -> None:
               help="Write the JSON report here.")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write PNGs here: normalised JCT and queue time, queue-time CDF, GPUs.")
-def sim(trace_path, policies, elastic, share, load, nodes, pause_scale, peer_snapshots, seed,
-        report_path, plots_dir) -> None:
+def sim(trace_path, policies, elastic, share, load, nodes, pause_scale, peer_snapshots,
+        threshold, tradeoff_at, start_below, seed, report_path, plots_dir) -> None:
     """Simulate the scaling policies over a job trace on a simulated clock."""
     report, runs = run_trace(trace_path, policies=policies, elastic=elastic, share=share,
                              load=load, nodes=nodes, seed=seed, pause_scale=pause_scale,
-                             peer_snapshots=peer_snapshots)
+                             peer_snapshots=peer_snapshots, threshold=threshold,
+                             start_below=start_below, tradeoff_at=tradeoff_at)
     # A pipe or file gets the whole table, not one squeezed into 80 columns.
     print_table(report, Console() if sys.stdout.isatty() else Console(width=160))
     if report_path is not None:

@@ -41,13 +41,19 @@ from pathlib import Path
 from statistics import fmean
 
 from tidal_api import ScaleTable
+from tidal_api.spec import ScalingSpec
 from tidal_api.scale import ScaleRow
-from tidal_operator.policy import decide
+from tidal_operator.capacity import FreeGPUs
+from tidal_operator.policy import decide, start_workers
 from tidal_plan.keepers import keepers_stay
 from tidal_sim.trace import GPUS_PER_NODE, TraceJob
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
 
 POLICIES = ("static", "greedy", "flextrain", "tidal")
+# The Poisson rule's threshold: greedy has none, flextrain keeps its slides' 0.6, tidal the
+# spec's default (settable: SimConfig.threshold, for the trade-off of JCT against queue).
+THRESHOLDS = {"greedy": 0.0, "flextrain": 0.6}
+DEFAULT_THRESHOLD = ScalingSpec.model_fields["probability_threshold"].default
 HOT_SWITCH_SECONDS = {"small": 2.0, "medium": 4.0, "large": 8.0}
 RESTART_SECONDS = {"small": 60.0, "medium": 120.0, "large": 240.0}
 RESTART_SAVE_FRACTION = 0.5  # a restart frees the GPUs it gives up once its checkpoint is saved
@@ -69,6 +75,9 @@ class SimConfig:
     # tidal's jobs keep peer snapshots (their per-step cost is not modelled): a scale-down
     # whose leavers' keepers stay frees their GPUs at the step boundary
     peer_snapshots: bool = False
+    threshold: float = DEFAULT_THRESHOLD  # tidal's probabilityThreshold
+    # elastic jobs (not static's) may start with this fraction of their request (0: off)
+    start_below: float = 0.0
     tables_dir: Path = _TABLES
 
     def __post_init__(self) -> None:
@@ -77,9 +86,10 @@ class SimConfig:
         if self.elastic not in ("pp", "dp-pp"):
             raise ValueError(f"elastic must be pp or dp-pp, got {self.elastic!r}")
         if (self.nodes < 1 or self.tick_seconds <= 0 or self.jitter < 0
-                or self.pause_scale < 0):
-            raise ValueError("need nodes >= 1, tick_seconds > 0, jitter >= 0 and "
-                             "pause_scale >= 0")
+                or self.pause_scale < 0 or not 0 <= self.threshold < 1
+                or not 0 <= self.start_below <= 1):
+            raise ValueError("need nodes >= 1, tick_seconds > 0, jitter >= 0, pause_scale >= 0, "
+                             "0 <= threshold < 1 and 0 <= start_below <= 1")
 
 
 def load_tables(config: SimConfig) -> dict[str, ScaleTable]:
@@ -88,27 +98,31 @@ def load_tables(config: SimConfig) -> dict[str, ScaleTable]:
         for size in ("small", "medium", "large")}
 
 
-def job_table(table: ScaleTable, min_workers: int) -> ScaleTable:
-    """``table``'s speedup curve over a job whose minimum is ``min_workers`` 8-GPU workers.
+def job_table(table: ScaleTable, request: int, lowest: int | None = None) -> ScaleTable:
+    """``table``'s speedup curve over a job that asks for ``request`` 8-GPU workers.
 
-    The curve is a function of the scale factor (workers over the minimum), from 1 to the
+    The curve is a function of the scale factor (workers over the request), from 1 to the
     table's ``max_workers / min_workers``: at ``w`` workers the job runs at the speedup of the
-    table's largest row whose factor is at most ``w / min_workers`` (conservative: never more
-    than the table shows for that many GPUs per minimum GPU). Rows that gain nothing over a
-    smaller count are left out; tokens/s is the speedup. Built unvalidated: ``decide`` reads
-    only rows' workers and tokens/s.
+    table's largest row whose factor is at most ``w / request`` (conservative: never more
+    than the table shows for that many GPUs per requested GPU). A job that may start below
+    its request (``lowest``) runs at ``w / request`` there: linear, a lower bound of the
+    tables' concave curves. Rows that gain nothing over a smaller count are left out;
+    tokens/s is the speedup, a step's seconds the table's first row's over it. Built
+    unvalidated: ``decide`` reads only rows' workers, tokens/s and step seconds.
     """
     low = table.min_workers
-    cap = min_workers * table.max_workers // low
+    cap = request * table.max_workers // low
+    base = table.rows[0].step_seconds
     rows, top = [], 0.0
-    for w in range(min_workers, cap + 1):
-        # factor r.workers / low <= w / min_workers, in integers
-        speedup = max(r.speedup for r in table.rows if r.workers * min_workers <= w * low)
+    for w in range(lowest or request, cap + 1):
+        # factor r.workers / low <= w / request, in integers
+        speedup = w / request if w < request else max(
+            r.speedup for r in table.rows if r.workers * request <= w * low)
         if speedup > top:
             top = speedup
             rows.append(ScaleRow.model_construct(workers=w, tokens_per_second=speedup,
-                                                 speedup=speedup))
-    return ScaleTable.model_construct(job=table.job, min_workers=min_workers,
+                                                 speedup=speedup, step_seconds=base / speedup))
+    return ScaleTable.model_construct(job=table.job, min_workers=lowest or request,
                                       max_workers=rows[-1].workers,
                                       gpus_per_worker=GPUS_PER_NODE, rows=tuple(rows))
 
@@ -130,12 +144,21 @@ class _Job:
     before: int = 0  # the workers that train until then
     end_at: float | None = None  # the one live "end" event of an elastic job
     pending: tuple[Pod, ...] = ()  # its pods as decide sees them while it queues
+    lowest: int | None = None  # start below its request: the fewest workers it runs with
+    count: int = 0  # ... and the workers it starts with (what was free at its arrival)
 
     @property
     def key(self) -> str:
         return self.trace.job_id
 
+    @property
+    def gpus(self) -> int:
+        """The GPUs it starts with."""
+        return self.count * GPUS_PER_NODE if self.count else self.trace.gpus
+
     def pod_sizes(self) -> list[int]:
+        if self.count:
+            return [GPUS_PER_NODE] * self.count
         g = self.trace.gpus
         rest = g % GPUS_PER_NODE
         return [GPUS_PER_NODE] * (g // GPUS_PER_NODE) + ([rest] if rest else [])
@@ -163,7 +186,7 @@ class Simulation:
         self.jobs = [_Job(j) for j in jobs]
         self.queue: list[_Job] = []
         self.running: dict[str, _Job] = {}
-        self.arrivals: deque[float] = deque()
+        self.arrivals: deque[tuple[float, int]] = deque()  # (time, GPUs)
         self.events: list[tuple[float, int, str, str]] = []
         self.seq = 0
         self.now = 0.0
@@ -251,12 +274,14 @@ class Simulation:
 
     def _arrive(self, job: _Job) -> None:
         if job.trace.size is None:
-            self.arrivals.append(job.trace.submit)
+            self.arrivals.append((job.trace.submit, job.trace.gpus))
+        elif self.config.start_below > 0 and self.config.policy != "static":
+            self._start_below(job)
         job.pending = tuple(Pod(f"{job.key}/{i}", size, None, "Pending",
                                 job.key if job.trace.size else None, created=job.trace.submit)
                             for i, size in enumerate(job.pod_sizes()))
         if job.trace.size:  # as the operator sees a new job: no member yet, below its minimum
-            m = job.trace.gpus // GPUS_PER_NODE
+            m = job.count or job.trace.gpus // GPUS_PER_NODE
             job.spec = ElasticJob(key=job.key, min_workers=m, max_workers=m, workers=0,
                                   gpus_per_worker=GPUS_PER_NODE, busy=True)
         self.queue.append(job)
@@ -315,7 +340,7 @@ class Simulation:
         waiting = []
         for job in self.queue:
             nodes = None
-            if job.trace.gpus <= self.capacity - self.held:  # else it cannot fit: skip the search
+            if job.gpus <= self.capacity - self.held:  # else it cannot fit: skip the search
                 sizes = job.pod_sizes()
                 nodes = self._place(sizes)
             if nodes is None:
@@ -336,22 +361,34 @@ class Simulation:
         if job.trace.size is None:
             self.push(self.now + job.trace.duration, "end", job.key)
             return
-        m = job.trace.gpus // GPUS_PER_NODE
-        table = job_table(self.tables[job.trace.size], m)
+        request = job.trace.gpus // GPUS_PER_NODE
+        m = job.count or request
+        table = job_table(self.tables[job.trace.size], request, job.lowest)
         job.speed = {}
-        for w in range(m, table.max_workers + 1):
+        for w in range(table.min_workers, table.max_workers + 1):
             job.speed[w] = max(r.speedup for r in table.rows if r.workers <= w)
         job.work = job.trace.duration
         job.step_s = self.tables[job.trace.size].rows[0].step_seconds
         job.before = m
         greedy = self.config.policy == "greedy"
         job.spec = ElasticJob(
-            key=job.key, min_workers=m, max_workers=table.max_workers, workers=m,
+            key=job.key, min_workers=table.min_workers, max_workers=table.max_workers,
+            max_scale_factor=-(-table.max_workers // table.min_workers), workers=m,
             gpus_per_worker=GPUS_PER_NODE, members=tuple(p.key for p in job.pods),
             scale_table=table, switch_seconds=self._base_pause(job),
-            probability_threshold=0.0 if greedy else 0.6,
+            probability_threshold=THRESHOLDS.get(self.config.policy, self.config.threshold),
             min_gain=0.0 if greedy else 0.05, cooldown_seconds=0.0 if greedy else 60.0,
         )
+
+    def _start_below(self, job: _Job) -> None:
+        """A job that may start below its request (``--start-below F``): its fewest workers
+        ``F`` of it (at least one), its first workers what is free at its arrival, between
+        those and the request (one per free node, as ``decide``'s placement counts them)."""
+        request = job.trace.gpus // GPUS_PER_NODE
+        job.lowest = max(1, math.ceil(self.config.start_below * request))
+        asks = ElasticJob(key=job.key, min_workers=job.lowest, max_workers=request,
+                          workers=0, gpus_per_worker=GPUS_PER_NODE, preferred_workers=request)
+        job.count, _ = start_workers(asks, FreeGPUs(dict(self.free)), None)
 
     def _base_pause(self, job: _Job) -> float:
         hot = self.config.policy == "tidal"
@@ -360,7 +397,7 @@ class Simulation:
 
     # --- the policy ---------------------------------------------------------------------
     def _snapshot(self) -> Snapshot:
-        while self.arrivals and self.arrivals[0] < self.now - self.config.window_seconds:
+        while self.arrivals and self.arrivals[0][0] < self.now - self.config.window_seconds:
             self.arrivals.popleft()
         pods = [p for job in self.running.values() for p in job.pods]
         for job in self.queue:
@@ -371,8 +408,9 @@ class Simulation:
                 busy = job.paused_until > self.now
                 jobs.append(job.spec if busy == job.spec.busy else replace(job.spec, busy=busy))
         jobs += [job.spec for job in self.queue if job.spec is not None]  # (see _arrive)
-        return Snapshot(self.nodes, tuple(pods), tuple(jobs), tuple(self.arrivals),
-                        self.config.window_seconds)
+        return Snapshot(self.nodes, tuple(pods), tuple(jobs),
+                        tuple(t for t, _ in self.arrivals), self.config.window_seconds,
+                        tuple(g for _, g in self.arrivals))
 
     def _apply(self, decisions) -> None:
         for d in decisions:
@@ -498,23 +536,21 @@ class Outcome:
     ceiling_speedup: float | None = None  # static's only: Simulation.ceiling_speedup
 
 
-def compare(jobs: list[TraceJob], nodes: int, policies=POLICIES, elastic: str = "pp",
-            seed: int = 0, progress: Callable[[str, float], None] | None = None,
-            pause_scale: float = 1.0, peer_snapshots: bool = False) -> dict[str, Outcome]:
+def compare(jobs: list[TraceJob], nodes: int, policies=POLICIES,
+            progress: Callable[[str, float], None] | None = None,
+            **options) -> dict[str, Outcome]:
     """``static`` and every policy over ``jobs``, static's figures the baseline of the ratios.
 
     ``jct_speedup`` is static's mean elastic JCT over the policy's; ``queue_ratio`` is the
     policy's mean non-elastic queue time over static's (None where static's is 0 and the
     policy's is not: no finite ratio). ``progress(policy, fraction)`` follows each run;
-    ``pause_scale`` multiplies every switch's pause; ``peer_snapshots``: see :class:`SimConfig`.
+    ``options`` are :class:`SimConfig`'s (``elastic``, ``seed``, ``pause_scale``, ...).
     """
     first = min((j.submit for j in jobs), default=0.0)
     out: dict[str, Outcome] = {}
     for name in dict.fromkeys(("static", *policies)):
-        config = SimConfig(policy=name, nodes=nodes, elastic=elastic, seed=seed,
-                           pause_scale=pause_scale, peer_snapshots=peer_snapshots)
         hook = None if progress is None else (lambda f, name=name: progress(name, f))
-        sim = Simulation(jobs, config, progress=hook)
+        sim = Simulation(jobs, SimConfig(policy=name, nodes=nodes, **options), progress=hook)
         report = sim.run()
         times, held = sim.timeline
         out[name] = Outcome(report, sim.jct_seconds(), sim.queue_seconds(),
@@ -522,9 +558,27 @@ def compare(jobs: list[TraceJob], nodes: int, policies=POLICIES, elastic: str = 
                             sim.ceiling_speedup() if name == "static" else None)
     base = out["static"].report
     for outcome in out.values():
-        r = outcome.report
-        r["jct_speedup"] = (base["elastic_jct_mean_s"] / r["elastic_jct_mean_s"]
-                            if r["elastic_jct_mean_s"] else 1.0)
-        r["queue_ratio"] = (r["queue_mean_s"] / base["queue_mean_s"] if base["queue_mean_s"]
-                            else 1.0 if r["queue_mean_s"] == 0 else None)
+        _ratios(outcome.report, base)
     return out
+
+
+def tradeoff(jobs: list[TraceJob], nodes: int, thresholds: list[float], static: dict,
+             **options) -> list[dict]:
+    """tidal's elastic JCT speedup and non-elastic queue ratio (over ``static``'s report) at
+    each of ``thresholds``, the Poisson rule's and the headroom rule's ``probabilityThreshold``:
+    the price in queueing of each step towards faster elastic jobs."""
+    out = []
+    for threshold in thresholds:
+        report = Simulation(jobs, SimConfig(policy="tidal", nodes=nodes, threshold=threshold,
+                                            **options)).run()
+        _ratios(report, static)
+        out.append({"threshold": threshold, "jct_speedup": report["jct_speedup"],
+                    "queue_ratio": report["queue_ratio"]})
+    return out
+
+
+def _ratios(report: dict, base: dict) -> None:
+    report["jct_speedup"] = (base["elastic_jct_mean_s"] / report["elastic_jct_mean_s"]
+                             if report["elastic_jct_mean_s"] else 1.0)
+    report["queue_ratio"] = (report["queue_mean_s"] / base["queue_mean_s"] if base["queue_mean_s"]
+                             else 1.0 if report["queue_mean_s"] == 0 else None)

@@ -78,7 +78,8 @@ def test_sim_bench_runs_with_either_cluster_size(tmp_path):
     for cluster in ("default", "elasticflow"):
         result = subprocess.run(
             [sys.executable, str(ROOT / "bench" / "sim.py"), "--traces", str(traces),
-             "--share", "0.9", "--cluster", cluster, "--doc", str(doc)],
+             "--share", "0.9", "--cluster", cluster, "--doc", str(doc),
+             "--tradeoff", "0.6,0.99", "--start-below", "0.5"],
             capture_output=True, text=True, timeout=300, cwd=ROOT,
         )
         assert result.returncode == 0, result.stderr
@@ -89,6 +90,11 @@ def test_sim_bench_runs_with_either_cluster_size(tmp_path):
     assert reports["elasticflow"]["cluster"] == "elasticflow"
     for report in reports.values():
         assert report["summary"]["dp-pp"]["tidal"]["jct_speedup_geomean"] > 1.0
+        assert report["start_below"] == 0.5 and report["threshold"] == 0.99
+        curve = report["summary"]["pp"]["tradeoff"]
+        assert [p["threshold"] for p in curve] == [0.6, 0.99]
+        assert all(p["jct_speedup_geomean"] > 0 for p in curve)
     text = doc.read_text()
+    assert "| 0.99 | " in text  # the trade-off table
     assert text.startswith("head\n<!-- sim:begin -->\n#### PP-only") and text.endswith("tail\n")
     assert "| cluster04 | 128 (1024) | 1 of 3 |" in text

@@ -299,7 +299,8 @@ async def test_arrivals_already_gone_still_count_until_their_window_ends(cluster
     cluster.api.delete(Pod, "batch", namespace=NS)  # it ran elsewhere and is gone
     cluster.publish("poisson", scaleTable=table("poisson", {2: 100.0, 3: 120.0, 4: 140.0}),
                     lastSwitchSeconds=600)
-    assert [a["pod"] for a in cluster.status("poisson")["arrivals"]] == ["default/batch"]
+    assert [(a["pod"], a["gpus"]) for a in cluster.status("poisson")["arrivals"]] == [
+        ("default/batch", 2)]  # its GPUs: the headroom rule's
     if restart:
         await cluster.restart()
     assert cluster.decide(t0 + 60) == ()
@@ -324,3 +325,26 @@ async def test_a_restart_with_nothing_written_loses_the_arrival_the_status_keeps
     await cluster.restart()
     (up,) = cluster.decide(t0 + 60)
     assert up.kind == "scale_up"
+
+
+@pytest.mark.asyncio
+async def test_a_job_starts_below_its_preferred_count_on_what_is_free(cluster):
+    """workers.preferred 3 with two of node-0's four GPUs held: the job starts with the two
+    that are free, and grows into the others by the scaling rules once they are idle."""
+    t0 = T0()
+    cluster.batch_pod("inference", 2)
+    cluster.bind("inference", "node-0")
+    cluster.job("eager", workers={"min": 1, "max": 4, "preferred": 3})
+    (start,) = await cluster.round(t0)
+    assert (start.kind, start.from_workers, start.to_workers) == ("start", 0, 2)
+    assert cluster.pods_of("eager") == ["eager-worker-0", "eager-worker-1"]
+    assert cluster.status("eager")["target"]["workers"] == 2
+    assert [m for r, m in cluster.events("eager") if r == "Created"] == [
+        "created 2 worker pods: eager-worker-0, eager-worker-1 (2 workers, 1 below its "
+        "preferred 3: 2 fit on free GPUs (node-0 x2))"]
+    cluster.apply("eager")
+    cluster.publish("eager", scaleTable=table("eager", {1: 100.0, 2: 190.0, 3: 270.0,
+                                                        4: 340.0}))
+    cluster.api.delete(Pod, "inference", namespace=NS, grace_period=0)  # done: gone
+    (up,) = await cluster.round(t0 + 1)
+    assert (up.kind, up.from_workers, up.to_workers) == ("scale_up", 2, 4)

@@ -405,6 +405,8 @@ def test_api_server_defaults_are_the_pydantic_defaults():
 CEL_REFUSALS = [
     ({"workers": {"min": 4, "max": 2}}, "workers.min (4) must not exceed workers.max (2)"),
     ({"workers": {"min": 10}}, "workers.min (10) must not exceed workers.max (8)"),
+    ({"workers": {"min": 2, "max": 8, "preferred": 9}},
+     "workers.preferred (9) must lie between workers.min (2) and workers.max (8)"),
     ({"model": {"dModel": 30, "heads": 4}}, "model.heads (4) must divide model.dModel (30)"),
     ({"training": {"globalBatchSize": 10, "microBatchSize": 4}},
      "training.microBatchSize (4) must divide training.globalBatchSize (10)"),
@@ -443,7 +445,7 @@ def test_every_cel_rule_has_a_refusal_case():
         stack += [node["items"]] if "items" in node else []
     broken = {rule for spec, _ in CEL_REFUSALS
               for rule, _ in _cel_failures(SCHEMA, _defaulted(SCHEMA, _doc(spec)))}
-    assert rules == broken and len(rules) == 8
+    assert rules == broken and len(rules) == 9
 
 
 @pytest.mark.parametrize(("spec", "where"), [

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal_operator.policy import (BELOW_MINIMUM, IDLE_GPUS, PENDING_GPU_PODS, STRAGGLER, Decision,
-                                   decide)
+from tidal_operator.policy import (BELOW_MINIMUM, IDLE_GPUS, PENDING_GPU_PODS, STARTED, STRAGGLER,
+                                   Decision, decide)
 from tidal_operator.snapshot import (
     ANYWHERE, ElasticJob, Node, Placement, Pod, Snapshot, Taint, Toleration,
 )
@@ -51,14 +51,28 @@ def waiting(key, gpus, created=0.0):
     return Pod(key, gpus, None, "Pending", unschedulable=True, created=created)
 
 
-def cluster(nodes, *jobs, others=(), arrivals=(), window=8 * HOUR):
+def cluster(nodes, *jobs, others=(), arrivals=(), window=8 * HOUR, arrival_gpus=()):
     return Snapshot(
         nodes=tuple(Node(name, gpus) for name, gpus in nodes.items()),
         pods=tuple(p for _, pods in jobs for p in pods) + tuple(others),
         jobs=tuple(j for j, _ in jobs),
         arrivals=tuple(arrivals),
         window_seconds=window,
+        arrival_gpus=tuple(arrival_gpus),
     )
+
+
+def busy_hour(gpus, count=30):
+    """``count`` arrivals of ``gpus`` GPUs each over the last hour, for a job that counts an
+    hour: the scale-up rule passes (its 2 x 1 s of switching over a gain of 2 or more), but an
+    arrival within the release latency (the table's 82 s step at 1 worker, and 1 s) is likely:
+    P(none) = exp(-30/h x 83 s) = 0.50 < 0.6."""
+    return dict(arrivals=recent(count), arrival_gpus=[gpus] * count)
+
+
+def lender(**settings):
+    return job("j", on="a", max_workers=8, factor=8, switch_seconds=1,
+               arrival_window_seconds=HOUR, **settings)
 
 
 def recent(count, window=HOUR):
@@ -162,6 +176,18 @@ SCALE_UP = [
     pytest.param(cluster({"a": 8}, job("a-many", on="aaa"), job("b-few", on="a", factor=8)),
                  [dict(job="b-few", from_workers=1, to_workers=5)],
                  id="a-concave-table-gains-most-where-a-job-has-fewest-workers"),
+    # Headroom: the last free GPUs stay free where an arrival needing them is likely within
+    # the release latency (issue 27).
+    pytest.param(cluster({"a": 8}, lender(), **busy_hour(2)),
+                 [dict(to_workers=6, nodes=("a",) * 5)], id="headroom-for-the-arrivals-size"),
+    pytest.param(cluster({"a": 8}, lender(), **busy_hour(1)), [dict(to_workers=7)],
+                 id="headroom-of-one-gpu-for-one-gpu-arrivals"),
+    pytest.param(cluster({"a": 8}, lender(), **busy_hour(9)), [dict(to_workers=8)],
+                 id="no-headroom-for-arrivals-too-big-to-fit-anyway"),
+    pytest.param(cluster({"a": 8}, lender(), **busy_hour(2, count=10)), [dict(to_workers=8)],
+                 id="no-headroom-where-an-arrival-within-the-latency-is-unlikely"),
+    pytest.param(cluster({"a": 8}, lender(probability_threshold=0.4), **busy_hour(2)),
+                 [dict(to_workers=8)], id="headroom-priced-at-the-jobs-threshold"),
     pytest.param(cluster({"a": 8}, job("few", on="a", gpw=4), job("many", on="aaa")),
                  [dict(job="many", from_workers=3, to_workers=4)],
                  id="the-next-job-takes-what-the-first-cannot-use"),
@@ -299,6 +325,42 @@ def test_restore(snapshot, expected):
     check(decide(snapshot, NOW), expected)
 
 
+def unstarted(key, *, min_workers, preferred=None, gpw=1):
+    """A job the operator has not started yet: no target, no pod."""
+    elastic, _ = job(key, on="", min_workers=min_workers, gpw=gpw, busy=True, unstarted=True,
+                     preferred_workers=preferred)
+    return elastic, ()
+
+
+START = [
+    pytest.param(cluster({"a": 8}, unstarted("j", min_workers=2, preferred=4)),
+                 [dict(job="j", kind="start", from_workers=0, to_workers=4,
+                       nodes=("a",) * 4, reason=STARTED)],
+                 id="the-preferred-count-where-it-is-free"),
+    pytest.param(cluster({"a": 8}, unstarted("j", min_workers=2, preferred=4),
+                         others=[running("x", "a", 5)]),
+                 [dict(to_workers=3, nodes=("a",) * 3)], id="below-preferred-what-is-free"),
+    pytest.param(cluster({"a": 8}, unstarted("j", min_workers=2, preferred=4),
+                         others=[running("x", "a", 7)]),
+                 [dict(to_workers=2, nodes=("a",))], id="never-below-its-minimum"),
+    pytest.param(cluster({"a": 8}, unstarted("j", min_workers=2)),
+                 [dict(to_workers=2)], id="without-a-preferred-count-its-minimum"),
+    pytest.param(cluster({"a": 8, "b": 4}, unstarted("j", min_workers=1, preferred=3, gpw=4)),
+                 [dict(to_workers=3, nodes=("b", "a", "a"))], id="a-worker-on-one-node"),
+    pytest.param(cluster({"a": 6}, unstarted("j", min_workers=1, preferred=4),
+                         unstarted("k", min_workers=1, preferred=4)),
+                 [dict(job="j", to_workers=4), dict(job="k", to_workers=2)],
+                 id="by-key-each-from-what-the-others-left"),
+    pytest.param(cluster({"a": 8}, unstarted("j", min_workers=1, preferred=2), job("k", on="aa")),
+                 [dict(job="j", to_workers=2)], id="no-scale-up-in-the-round-of-a-start"),
+]
+
+
+@pytest.mark.parametrize(("snapshot", "expected"), START)
+def test_start(snapshot, expected):
+    check(decide(snapshot, NOW), expected)
+
+
 STRAGGLERS = [
     pytest.param(cluster({"a": 4}, job("j", on="aaa", slow=("j-1",))),
                  [dict(job="j", kind="scale_down", from_workers=3, to_workers=2,
@@ -331,8 +393,8 @@ def check(decisions: tuple[Decision, ...], expected: list[dict]) -> None:
         for name, value in fields.items():
             assert getattr(decision, name) == value, (name, decision)
         assert "\n" not in decision.message
-        assert ("below its minimum" if decision.reason == BELOW_MINIMUM else "tokens/s") \
-            in decision.message
+        words = {BELOW_MINIMUM: "below its minimum", STARTED: "fit on free GPUs"}
+        assert words.get(decision.reason, "tokens/s") in decision.message
 
 
 def test_messages_give_the_numbers():
@@ -348,6 +410,8 @@ def test_messages_give_the_numbers():
     (back,) = decide(cluster({"a": 3}, below_min("j", on="a", min_workers=4)), NOW)
     assert back.message == ("below its minimum (1 of 4 workers): 3 new workers on a x2, 1 "
                             "waiting for GPUs")
+    (start,) = decide(cluster({"a": 3}, unstarted("j", min_workers=1, preferred=4)), NOW)
+    assert start.message == "3 workers, 1 below its preferred 4: 3 fit on free GPUs (a x3)"
 
 
 # Random clusters: a few nodes, jobs and pods, so that contention is common.

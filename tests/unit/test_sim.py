@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tidal_plan.keepers import keepers_stay
 from tidal_sim import SimConfig, TraceJob, default_nodes, mark_elastic, simulate
 from tidal_sim.engine import (
-    GPUS_PER_NODE, Simulation, compare, job_table, load_tables,
+    GPUS_PER_NODE, Simulation, compare, job_table, load_tables, tradeoff,
 )
 
 
@@ -58,6 +58,39 @@ def test_job_table_follows_the_scale_factor_conservatively():
         (8, 1.0), (10, small.rows[1].speedup), (12, small.rows[2].speedup),
         (14, small.rows[3].speedup)]
     assert eight.max_workers == 14
+
+
+def test_a_job_may_start_below_its_request_and_grows_back():
+    """Two of four nodes are busy when a 4-worker job arrives: under static it waits for them;
+    with --start-below 0.5 it starts at once on the two free ones at half speed (linear below
+    its request) and grows when the others free up."""
+    jobs = [job(0, 0, 1000, 16), job(1, 10, 10000, 32, "small")]
+    static = Simulation(jobs, SimConfig(policy="static", nodes=4))
+    static.run()
+    assert static.jobs[1].start == 1000.0  # queued behind the first job's nodes
+    below = Simulation(jobs, SimConfig(policy="tidal", nodes=4, jitter=0.0, start_below=0.5))
+    below.run()
+    elastic = below.jobs[1]
+    assert elastic.start == 10.0 and elastic.count == 2 and elastic.lowest == 2
+    assert elastic.speed[2] == 0.5 and elastic.speed[4] == 1.0
+    assert elastic.spec.min_workers == 2 and elastic.spec.cap == 7  # 4 x its request's table
+    assert below.scale_ups >= 1 and elastic.end - 10.0 < static.jobs[1].end - 10.0
+    with pytest.raises(ValueError, match="start_below"):
+        SimConfig(policy="tidal", nodes=1, start_below=2.0)
+
+
+def test_the_tradeoff_runs_tidal_at_each_threshold():
+    """Arrivals every 10 minutes before and while an elastic job runs: at threshold 0 it
+    grows into the idle node and the arrivals wait for its drains; near 1 it never grows."""
+    jobs = [*(job(i, 600 * i, 100, 8) for i in range(1, 40)), job(0, 3000, 20000, 8, "small")]
+    static = simulate(jobs, SimConfig(policy="static", nodes=2))
+    curve = tradeoff(jobs, 2, [0.0, 0.999999], static)
+    assert [p["threshold"] for p in curve] == [0.0, 0.999999]
+    eager, cautious = curve
+    assert eager["jct_speedup"] > cautious["jct_speedup"] == 1.0
+    # static's queue is empty: the eager one's waits have no finite ratio to it
+    assert static["queue_mean_s"] == 0 and eager["queue_ratio"] is None
+    assert cautious["queue_ratio"] == 1.0
 
 
 def test_arrival_makes_tidal_shrink_and_waits_for_the_drain():
@@ -168,15 +201,16 @@ _traces = st.lists(
 
 @settings(max_examples=100, deadline=None)
 @given(_traces, st.sampled_from(["greedy", "flextrain", "tidal"]), st.integers(2, 5),
-       st.sampled_from(["pp", "dp-pp"]), st.sampled_from([1.0, 0.0]), st.booleans())
+       st.sampled_from(["pp", "dp-pp"]), st.sampled_from([1.0, 0.0]), st.booleans(),
+       st.sampled_from([0.0, 0.5]))
 def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, elastic, scale,
-                                                          snapshots):
+                                                          snapshots, below):
     jobs = [job(i, s, d, g, "small" if e and g % GPUS_PER_NODE == 0 else None)
             for i, (s, d, g, e) in enumerate(trace)]
     jobs.sort(key=lambda j: (j.submit, j.job_id))
     config = SimConfig(policy=policy, nodes=nodes, elastic=elastic, tick_seconds=300,
                        pause_scale=scale,  # 0: free switches, drains at the same instant
-                       peer_snapshots=snapshots)
+                       peer_snapshots=snapshots, start_below=below)
     sim = Simulation(jobs, config)
 
     def check(s: Simulation) -> None:

@@ -42,7 +42,7 @@ def test_a_status_patch_is_the_wire_form_of_the_fields_given():
                    "release": [], "issuedAt": "2026-01-01T00:00:00Z", "deadline": None},
         "lastScaleTime": "2026-01-01T00:00:00Z",
         "leaderMissingSince": None,  # a merge patch's null deletes the field
-        "arrivals": [{"pod": "ns/p", "createdAt": "2026-01-01T00:00:00Z"}],
+        "arrivals": [{"pod": "ns/p", "createdAt": "2026-01-01T00:00:00Z", "gpus": 1}],
     }
     assert status_patch(target=None, members=()) == {"target": None, "members": []}
     with pytest.raises(ValueError, match="phase"):
