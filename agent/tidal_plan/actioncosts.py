@@ -36,7 +36,7 @@ class Costs:
             if not values or any(v < 0 for v in values):
                 raise ValueError(f"Costs.{name} must be non-negative, one number or per stage")
             if isinstance(value, Sequence):
-                object.__setattr__(self, name, tuple(float(v) for v in values))
+                object.__setattr__(self, name, tuple(map(float, values)))
         if self.comm < 0:
             raise ValueError(f"Costs.comm ({self.comm}) must be non-negative")
 

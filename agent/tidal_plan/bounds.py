@@ -8,6 +8,8 @@ best step found (branch and bound), so a bound must never exceed ``estimate_step
 
 from __future__ import annotations
 
+import itertools
+
 from tidal_api.layout import Layout, ScheduleKind
 from tidal_plan.actioncosts import Costs, per_stage
 from tidal_plan.estimate import extrapolation_start
@@ -27,13 +29,14 @@ def makespan_lower_bound(layout: Layout, costs: Costs) -> float:
     i = per_stage(costs.input_grad, stages)
     w = per_stage(costs.weight_grad, stages)
     split = layout.schedule is ScheduleKind.ZERO_BUBBLE
-    m, comm = layout.num_micro_batches, costs.comm
+    pp, m, comm = layout.pp, layout.num_micro_batches, costs.comm
+    work = [x + y + z for x, y, z in zip(f, i, w, strict=True)]  # of a micro-batch, per stage
+    forward_and_input = [x + y for x, y in zip(f, i, strict=True)]
     bound = head = tail = input_tail = 0.0
-    for rank in range(layout.pp):
-        stages = layout.rank_stages(rank)
-        busy = m * sum(f[s] + i[s] + w[s] for s in stages)
+    for rank in range(pp):
+        busy = m * sum(work[rank::pp])
         if split:  # W may trail the last I, but every F and I comes before it
-            critical = m * sum(f[s] + i[s] for s in stages) + input_tail
+            critical = m * sum(forward_and_input[rank::pp]) + input_tail
             bound = max(bound, head + busy, head + critical)
         else:
             bound = max(bound, head + busy + tail)
@@ -52,11 +55,11 @@ def estimate_lower_bound(layout: Layout, costs: Costs) -> tuple[float, tuple[flo
     limit, and exactly that many). That backward, of micro-batch 0, waits for micro-batch 0
     to reach the last stage and its gradient to come back; then the rank still owes its other
     ``m - k`` forwards and every backward, and the last backward's gradient still has to cross
-    the ranks before it (with ZB-H1, the last I's does, after at least ``m - pp`` of the
-    rank's W: ZB-H1 holds at most ``pp`` micro-batches without their W, so its last forward
-    waits for them). GPipe is a flow shop twice over: the slowest stage's forwards, then its
-    backwards, each stretched by one pass of a micro-batch through the other stages. Until
-    its first backward frees anything, a rank holds its first ``k`` forwards' activations.
+    the ranks before it (with ZB-H1, the last I's does, after every W its order puts before
+    that I: all but the ``min(r, m - k)`` it leaves for the end). GPipe is a flow shop twice
+    over: the slowest stage's forwards, then its backwards, each stretched by one pass of a
+    micro-batch through the other stages. Until its first backward frees anything, a rank
+    holds its first ``k`` forwards' activations.
 
     An extrapolated estimate can sit a little off the dry run, so a long step gets only the
     generic bounds: ``makespan_lower_bound`` and one micro-batch's activations.
@@ -64,7 +67,7 @@ def estimate_lower_bound(layout: Layout, costs: Costs) -> tuple[float, tuple[flo
     pp, m, stages, comm = layout.pp, layout.num_micro_batches, layout.num_stages, costs.comm
     act = per_stage(costs.activation_bytes, stages)
     bound = makespan_lower_bound(layout, costs)
-    one = tuple(max(act[s] for s in layout.rank_stages(rank)) for rank in range(pp))
+    one = tuple(max(act[rank::pp]) for rank in range(pp))
     if extrapolation_start(layout) is not None:
         return bound, one
     kind, last = layout.schedule, pp - 1
@@ -77,21 +80,34 @@ def estimate_lower_bound(layout: Layout, costs: Costs) -> tuple[float, tuple[flo
     if kind is ScheduleKind.GPIPE:
         flow = sum(f) + sum(b) + 2 * last * comm + (m - 1) * (max(f) + max(b))
         return max(bound, flow), tuple(max(g, m * a) for g, a in zip(one, act, strict=True))
-    split = kind is ScheduleKind.ZERO_BUBBLE
+    bound = _one_f_one_b_bound(layout, bound, f, i, w, comm)
+    held = tuple(max(g, min(m, pp - r) * act[r]) for r, g in enumerate(one))
+    return bound, held
+
+
+def _one_f_one_b_bound(
+    layout: Layout, bound: float, f: list[float], i: list[float], w: list[float], comm: float,
+) -> float:
+    """``estimate_lower_bound``'s makespan for 1F1B or ZB-H1 (see there)."""
+    pp, m, last = layout.pp, layout.num_micro_batches, layout.pp - 1
+    split = layout.schedule is ScheduleKind.ZERO_BUBBLE
+    back_of = i if split else [x + y for x, y in zip(i, w, strict=True)]  # I, or a whole B
+    # The way a gradient goes from rank r to rank 0: up[r], summed in rank order.
+    up = list(itertools.accumulate((x + comm for x in back_of), initial=0.0))
     forward = sum(f) + last * comm  # micro-batch 0 reaches the last stage
     back = 0.0  # and its gradient comes back to rank r
     for rank in range(last, -1, -1):
-        owed = (m - min(m, pp - rank)) * f[rank]
+        k = min(m, pp - rank)  # forwards before the first backward
+        owed = (m - k) * f[rank]
         start = forward + back
-        if split:  # every W; or every I, the W before the last forward, then rank 0's last W
-            inputs = sum(i[s] + comm for s in range(rank))
+        if split:  # every W; or every I, the W before the last I, then rank 0's last W
+            late = min(rank, m - k)
             bound = max(bound, start + owed + m * (i[rank] + w[rank]),
-                        start + owed + m * i[rank] + max(0, m - pp) * w[rank] + inputs + w[0])
+                        start + owed + m * i[rank] + (m - late - 1) * w[rank] + up[rank] + w[0])
         else:
-            bound = max(bound, start + owed + m * b[rank] + sum(b[s] + comm for s in range(rank)))
-        back += (i if split else b)[rank] + comm
-    held = tuple(max(g, min(m, pp - r) * act[r]) for r, g in enumerate(one))
-    return bound, held
+            bound = max(bound, start + owed + m * back_of[rank] + up[rank])
+        back += back_of[rank] + comm
+    return bound
 
 
 def _interleaved_bound(

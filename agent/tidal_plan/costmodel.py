@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tidal_api.layout import Layout
@@ -202,13 +203,19 @@ def _check_layout(shape: ModelShape, layout: Layout) -> None:
         )
 
 
+def _stage_slices(layout: Layout) -> list[slice]:
+    """Which units each stage of ``layout`` holds, as slices of the units in order."""
+    edges = itertools.accumulate(layout.partition, initial=0)
+    return list(itertools.starmap(slice, itertools.pairwise(edges)))
+
+
 def stage_costs(units: Sequence[UnitCosts], layout: Layout, comm: float) -> Costs:
     """The dry run's per-stage costs of ``layout``: each stage sums its units."""
-    edges = list(itertools.accumulate(layout.partition, initial=0))
+    stage_units = _stage_slices(layout)
 
     def per_stage(field: str) -> tuple[float, ...]:
-        column = [getattr(u, field) for u in units]
-        return tuple(sum(column[a:b]) for a, b in itertools.pairwise(edges))
+        column = list(map(operator.attrgetter(field), units))
+        return tuple(map(sum, map(column.__getitem__, stage_units)))
 
     return Costs(
         forward=per_stage("forward_s"),
@@ -303,20 +310,19 @@ def step_model(
     sharding.check(shape, layout.dp)
     units = layout_unit_costs(shape, layout, device, sharding)
     comm = message_seconds(shape, layout.micro_batch_size, device, sharding)
-    edges = list(itertools.accumulate(layout.partition, initial=0))
+    stage_units = _stage_slices(layout)
 
-    def per_rank(column: list[float]) -> list[float]:
-        return [
-            sum(itertools.chain.from_iterable(
-                column[edges[stage]:edges[stage + 1]] for stage in layout.rank_stages(rank)
-            ))
-            for rank in range(layout.pp)
-        ]
+    def per_rank(column: list[float], total: Callable[[Iterable[float]], float] = sum,
+                 ) -> list[float]:
+        """``total`` of each rank's units, in order: its stages' in stage order."""
+        stages = list(map(column.__getitem__, stage_units))
+        if layout.virtual_stages == 1:
+            return list(map(total, stages))
+        return [total(itertools.chain.from_iterable(stages[rank::layout.pp]))
+                for rank in range(layout.pp)]
 
     # A rank's checkpointed units recompute one at a time: the largest one's activations.
-    recompute = [max(u.recompute_bytes for s in layout.rank_stages(rank)
-                     for u in units[edges[s]:edges[s + 1]])
-                 for rank in range(layout.pp)]
+    recompute = per_rank([u.recompute_bytes for u in units], max)
     held = per_rank([u.state_bytes for u in units])
     state = tuple(s + r for s, r in zip(held, recompute, strict=True))
     moved = max(per_rank([u.allreduce_bytes for u in units]))

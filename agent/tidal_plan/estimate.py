@@ -2,29 +2,28 @@
 
 The search prices thousands of candidate layouts, some with hundreds of micro-batches on dozens
 of ranks. ``estimate_step`` gives ``dry_run``'s makespan, bubble and peak memory without a
-timeline: the action lists of a (schedule, pp, v, m) are compiled once into integer
-dependencies, and a long step is simulated at three shorter micro-batch counts and extended
-along the straight line they lie on. A pipeline in steady state adds the same time and memory
-per period of micro-batches, so after the warm-up the makespan is affine in the count; the
-three points check it, and where they disagree the whole step is simulated. Where a long
-transient passes the check by chance, the estimate is a little off (see estimate_step).
+timeline: each rank runs its order in the schedules' compact form (a string of kinds, no
+``Action`` built) on its own clock, taking turns with the others, and a long step is simulated
+at three shorter micro-batch counts and extended along the straight line they lie on. A
+pipeline in steady state adds the same time and memory per period of micro-batches, so after
+the warm-up the makespan is affine in the count; the three points check it, and where they
+disagree the whole step is simulated. Where a long transient passes the check by chance, the
+estimate is a little off (see estimate_step).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
-import operator
-from collections.abc import Iterator
+import itertools
+import math
+from collections.abc import Generator
 from dataclasses import dataclass
 
-from tidal_api.layout import Layout
+from tidal_api.layout import Layout, ScheduleKind
 from tidal_plan.actioncosts import Costs, per_stage
 from tidal_plan.dryrun import DeadlockError
-from tidal_plan.ir import Kind
-from tidal_plan.schedules import compute_actions
+from tidal_plan.schedules import interleaved_order, rank_kinds
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,153 +36,158 @@ class StepEstimate:
     simulated: tuple[int, ...]
 
 
-_F, _I, _W, _B = range(4)
-_CODE = {Kind.F: _F, Kind.I: _I, Kind.W: _W, Kind.B: _B}
-# What an action's result is to its consumers: a forward's output, an input gradient (B or I;
-# a stage runs one of them per micro-batch) or a weight gradient, which nothing waits for.
-_ROLE = {Kind.F: 0, Kind.B: 1, Kind.I: 1, Kind.W: 2}
-_KIND = operator.itemgetter(1)
-
-
-@dataclass(frozen=True, slots=True)
-class _Program:
-    """Per rank: (two slots it waits for, own slot, operation) of every compute action.
-
-    A result has two slots: ``slot`` when it is ready on its own rank and ``slot + size`` when
-    its message has reached the neighbouring rank. Folding communication into the slots gives
-    ``dry_run``'s times to the bit: a SEND is posted the moment its compute ends and arrives
-    ``comm`` later; a RECV right before its compute only moves the rank's clock to that
-    arrival, which the compute's own wait does too. An action waits for at most two results;
-    slot ``2 * size``, ready at time 0, stands in for a missing one. The operation ``code *
-    stages + stage`` indexes what the action costs and what it does to its rank's memory, both
-    laid out by ``_replay`` per cost model.
-    """
-
-    ranks: tuple[tuple[tuple[int, int, int, int], ...], ...]
-    size: int
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Hold off the cyclic garbage collector while compiling a program.
-
-    A long step's compute lists and program are hundreds of thousands of small objects made at
-    once and kept (none forms a cycle); collections triggered by their allocation would rescan
-    everything already cached, a sixth of a large scale table's build.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-@functools.lru_cache(maxsize=512)
-def _program(layout: Layout) -> _Program:
-    with _collector_paused():
-        return _compile(layout)
-
-
-def _compile(layout: Layout) -> _Program:
-    # plan_step without its checks: the runtime only runs lists plan_step passed, the schedule
-    # generators are tested against validate_compute, and _replay finds a deadlock itself.
-    compute = compute_actions(layout)
-    m, stages = layout.num_micro_batches, layout.num_stages
-    size = 3 * stages * m
-    rank_of = [layout.stage_rank(stage) for stage in range(stages)]
-
-    def slot(stage: int, role: int, remote: bool) -> int:
-        return (3 * stage + role) * m + (size if remote else 0)
-
-    # An action waits for actions of its own micro-batch, and which ones depends only on its
-    # (stage, kind): build the entries of a (stage, kind) for every micro-batch at once, then
-    # look each action's up.
-    def build(stage: int, kind: Kind) -> list[tuple[int, int, int, int]]:
-        deps = []
-        if kind is Kind.F and stage > 0:
-            deps.append(slot(stage - 1, 0, rank_of[stage - 1] != rank_of[stage]))
-        elif kind is Kind.B or kind is Kind.I:
-            deps.append(slot(stage, 0, False))
-            if stage < stages - 1:
-                deps.append(slot(stage + 1, 1, rank_of[stage + 1] != rank_of[stage]))
-        elif kind is Kind.W:
-            deps.append(slot(stage, 1, False))
-        op, me = _CODE[kind] * stages + stage, slot(stage, _ROLE[kind], False)
-        if len(deps) == 2:
-            a, b = deps
-            return [(a + mb, b + mb, me + mb, op) for mb in range(m)]
-        if deps:
-            (a,) = deps
-            return [(a + mb, 2 * size, me + mb, op) for mb in range(m)]
-        return [(2 * size, 2 * size, me + mb, op) for mb in range(m)]
-
-    ranks = []
-    for rank in range(layout.pp):
-        actions = compute[rank]
-        kinds = set(map(_KIND, actions))
-        entries: list[dict[Kind, list[tuple[int, int, int, int]]]] = [{}] * stages
-        for stage in layout.rank_stages(rank):
-            entries[stage] = {kind: build(stage, kind) for kind in kinds}
-        ranks.append(tuple([entries[stage][kind][mb] for stage, kind, mb in actions]))
-    return _Program(ranks=tuple(ranks), size=size)
-
-
 def _replay(layout: Layout, costs: Costs) -> tuple[float, float, tuple[float, ...]]:
-    """Makespan, busy rank-seconds and per-rank peak memory of one step."""
-    program = _program(_structural(layout))
-    stages = layout.num_stages
+    """Makespan, busy rank-seconds and per-rank peak memory of one step.
+
+    Each rank runs its actions in order on its own clock, taking turns with the others until
+    it waits for a result not there yet. A result's slot, ``(2 stage + role) m +
+    micro-batch`` (role 0: a forward's output, 1: an input gradient, B or I), holds the time
+    it reaches the neighbouring rank: a SEND is posted the moment its compute ends and arrives
+    ``comm`` later; a RECV right before its compute only moves the rank's clock to that
+    arrival, which the compute's own wait does too, so this gives ``dry_run``'s times to the
+    bit. An action waits for at most one result of another rank; what it needs of its own
+    rank (the F before its B, the I before its W) ran before it on the rank's clock. The
+    ``m`` slots past the last one, ready at time 0, stand in for none.
+    """
+    stages, m = layout.num_stages, layout.num_micro_batches
     f = per_stage(costs.forward, stages)
     i = per_stage(costs.input_grad, stages)
     w = per_stage(costs.weight_grad, stages)
     act = per_stage(costs.activation_bytes, stages)
-    freed = [-a for a in act]
-    # By operation (code * stages + stage): seconds, and bytes added to the rank's memory. A
-    # forward keeps its activations, B or W frees them (x + -a is x - a to the bit), I neither.
-    took_of = f + i + w + [a + b for a, b in zip(i, w, strict=True)]
-    kept_of = act + [0.0] * stages + freed + freed
-    comm, size = costs.comm, program.size
-    available = [-1.0] * (2 * size) + [0.0]
-    pcs = [0] * layout.pp
-    clock = [0.0] * layout.pp
-    memory = [0.0] * layout.pp
-    peak = [0.0] * layout.pp
-    busy = 0.0
-    progress = True
-    while progress:
-        progress = False
-        for rank, actions in enumerate(program.ranks):
-            pc, now, n = pcs[rank], clock[rank], len(actions)
-            held, most = memory[rank], peak[rank]
-            while pc < n:
-                a, b, me, op = actions[pc]
-                at, bt = available[a], available[b]
-                if at < 0.0 or bt < 0.0:
-                    break
-                ready = at if at > bt else bt
-                took = took_of[op]
-                now = (now if now > ready else ready) + took
-                busy += took
-                available[me] = now
-                available[me + size] = now + comm
-                held += kept_of[op]
-                if held > most:  # only a forward can raise it
-                    most = held
-                pc += 1
-                progress = True
-            pcs[rank], clock[rank], memory[rank], peak[rank] = pc, now, held, most
-    if any(pc < len(actions) for pc, actions in zip(pcs, program.ranks, strict=True)):
-        raise DeadlockError(f"{layout.describe()} deadlocks: plan_step should have refused it")
-    return max(clock), busy, tuple(peak)
+    arrival = [-1.0] * (2 * stages * m) + [0.0] * m
+    if layout.schedule is ScheduleKind.INTERLEAVED:
+        orders = interleaved_order(layout)
+        timelines = [_chunk_timeline(kinds, on, arrival, layout, f, i, w, costs.comm)
+                     for kinds, on in orders]
+        peak = _chunk_peaks(orders, act)
+    else:
+        kinds_of = rank_kinds(layout)
+        timelines = [_stage_timeline(rank, kinds, arrival, layout, f, i, w, costs.comm)
+                     for rank, kinds in enumerate(kinds_of)]
+        peak = _stage_peaks(kinds_of, act)
+    busy = m * (math.fsum(f) + math.fsum(i) + math.fsum(w))
+    return max(_run(layout, timelines)), busy, peak
 
 
-def _structural(layout: Layout) -> Layout:
-    """The layout with what the action lists do not depend on (partition, dp, mbs) fixed."""
-    return dataclasses.replace(
-        layout, partition=(1,) * layout.num_stages, dp=1, micro_batch_size=1
-    )
+def _stage_peaks(kinds_of: list[str], act: list[float]) -> tuple[float, ...]:
+    """Each rank's peak activation bytes, one stage per rank: a rank's memory depends on its
+    order alone. A forward keeps its activations, B or W frees them (x + -a is x - a to the
+    bit) and I neither (x + 0.0 is x: I is left out). Less their I, ZB-H1's ranks run one
+    order, so ranks whose stages keep as much share a peak."""
+
+    @functools.cache
+    def peak(kept: float, kinds: str) -> float:
+        memory = map({"F": kept, "B": -kept, "W": -kept}.__getitem__, kinds)
+        return max(itertools.accumulate(memory, initial=0.0))
+
+    return tuple(peak(a, kinds.replace("I", "")) for a, kinds in zip(act, kinds_of, strict=True))
+
+
+def _chunk_peaks(orders: list[tuple[str, list[int]]], act: list[float]) -> tuple[float, ...]:
+    """``_stage_peaks`` for ranks of several stages (interleaved): F keeps, B frees."""
+    kept = {**{("F", s): a for s, a in enumerate(act)}, **{("B", s): -a for s, a in enumerate(act)}}
+    return tuple(max(itertools.accumulate(map(kept.__getitem__, zip(kinds, on)), initial=0.0))
+                 for kinds, on in orders)
+
+
+def _stage_timeline(
+    rank: int, kinds: str, arrival: list[float], layout: Layout,
+    f: list[float], i: list[float], w: list[float], comm: float,
+) -> Generator[int, None, float]:
+    """Rank ``rank``'s actions, its one stage's ``kinds`` in order: yields the slot it waits
+    for whenever that result is not there yet, returns its clock at the end.
+
+    The forward and the backward branch each spell out their wait (the loop runs once per
+    action of every step the search prices); nothing waits for a W, nor a W for anyone.
+    """
+    m = layout.num_micro_batches
+    none = 2 * layout.num_stages * m
+    forward_from = 2 * (rank - 1) * m if rank > 0 else none
+    backward_from = (2 * rank + 3) * m if rank < layout.pp - 1 else none
+    forward_to, backward_to = 2 * rank * m, (2 * rank + 1) * m
+    forward, weight = f[rank], w[rank]
+    backward = i[rank] if "W" in kinds else i[rank] + weight  # I, or a whole B
+    now = 0.0
+    for kind in kinds:
+        if kind == "F":
+            ready = arrival[forward_from]
+            while ready < 0.0:
+                yield forward_from
+                ready = arrival[forward_from]
+            now = (now if now > ready else ready) + forward
+            arrival[forward_to] = now + comm
+            forward_from += 1
+            forward_to += 1
+        elif kind == "W":
+            now += weight
+        else:
+            ready = arrival[backward_from]
+            while ready < 0.0:
+                yield backward_from
+                ready = arrival[backward_from]
+            now = (now if now > ready else ready) + backward
+            arrival[backward_to] = now + comm
+            backward_from += 1
+            backward_to += 1
+    return now
+
+
+def _chunk_timeline(
+    kinds: str, stages: list[int], arrival: list[float], layout: Layout,
+    f: list[float], i: list[float], w: list[float], comm: float,
+) -> Generator[int, None, float]:
+    """``_stage_timeline`` for a rank of several stages (interleaved): its actions' ``kinds``
+    (F or B) and the stage of each."""
+    m, last = layout.num_micro_batches, layout.num_stages - 1
+    none = 2 * layout.num_stages * m
+    # Stage s's F waits for stage s - 1's, its B for stage s + 1's, on the rank before or after.
+    remote = layout.pp > 1
+    forward_from = {s: 2 * (s - 1) * m if s > 0 and remote else none for s in set(stages)}
+    backward_from = {s: (2 * s + 3) * m if s < last and remote else none for s in set(stages)}
+    forwards, backwards = dict.fromkeys(forward_from, 0), dict.fromkeys(backward_from, 0)
+    now = 0.0
+    for kind, stage in zip(kinds, stages):
+        if kind == "F":
+            mb = forwards[stage]
+            forwards[stage] = mb + 1
+            slot, to, took = forward_from[stage] + mb, 2 * stage * m + mb, f[stage]
+        else:
+            mb = backwards[stage]
+            backwards[stage] = mb + 1
+            slot, to = backward_from[stage] + mb, (2 * stage + 1) * m + mb
+            took = i[stage] + w[stage]
+        ready = arrival[slot]
+        while ready < 0.0:
+            yield slot
+            ready = arrival[slot]
+        now = (now if now > ready else ready) + took
+        arrival[to] = now + comm
+    return now
+
+
+def _run(layout: Layout, timelines: list[Generator[int, None, float]]) -> list[float]:
+    """Each rank's clock at the end of the step: the ranks take turns, each running until it
+    waits for a result not there yet, in alternating order (forwards flow down the ranks,
+    gradients up). A rank that ran on never waits for the same result again, so a turn in
+    which every rank stops where it stopped before is a deadlock."""
+    clocks = [0.0] * layout.pp
+    waiting: list[int | None] = [None] * layout.pp  # the slot where each rank stopped
+    order = list(range(layout.pp))
+    while order:
+        stopped = waiting.copy()
+        finished = []
+        for rank in order:
+            try:
+                waiting[rank] = next(timelines[rank])
+            except StopIteration as done:
+                clocks[rank] = done.value
+                finished.append(rank)
+        if finished:
+            order = [rank for rank in order if rank not in finished]
+        elif waiting == stopped:
+            raise DeadlockError(f"{layout.describe()} deadlocks: plan_step should have refused it")
+        order.reverse()
+    return clocks
 
 
 def estimate_step(layout: Layout, costs: Costs | None = None) -> StepEstimate:
@@ -248,5 +252,5 @@ def _exact(layout: Layout, costs: Costs) -> StepEstimate:
 
 
 def clear_caches() -> None:
-    """Forget compiled action lists (for benchmarks that time a cold start)."""
-    _program.cache_clear()
+    """Forget what estimates cached, for benchmarks that time a cold start: nothing now, as a
+    step's action lists cost less to build than to simulate."""

@@ -8,6 +8,7 @@ micro-batches its schedule keeps in flight.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,17 +33,21 @@ def _pack(
     stages: int,
     limit: float,
     cap: float,
-) -> tuple[int, ...] | None:
+) -> tuple[tuple[int, ...] | None, float]:
     """Greedy contiguous packing: each stage takes units while its seconds stay within
     ``limit`` and its memory within ``cap``.
 
-    Returns ``stages`` stage sizes, or None when the limits cannot be met. Packing each stage as
-    full as possible is optimal for feasibility (a later boundary never hurts later stages), and
-    leaves one unit for each stage still to come.
+    Returns ``stages`` stage sizes, or None when the limits cannot be met, and how far the
+    answer holds: packed, the slowest stage's seconds (any limit from there up to ``limit``
+    packs the same, as every unit that fits still fits and every stop still stops); not, the
+    least seconds a stage stopped short of for time (every limit below it fails too).
+    Packing each stage as full as possible is optimal for feasibility (a later boundary never
+    hurts later stages), and leaves one unit for each stage still to come.
     """
     n = len(seconds)
     state, activation = (memory.state, memory.activation) if memory else ((0.0,) * n,) * 2
     sizes, unit = [], 0
+    slowest, short = 0.0, math.inf
     for stage in range(stages):
         end = n - (stages - stage - 1)
         held = memory.in_flight[stage] if memory else 0.0
@@ -51,13 +56,17 @@ def _pack(
         while j < end:
             t, m = seconds[j], state[j] + activation[j] * held
             if j > unit and (time + t > limit or mem + m > cap):
+                if mem + m <= cap and time + t < short:
+                    short = time + t
                 break
             time, mem, j = time + t, mem + m, j + 1
         if time > limit or mem > cap:
-            return None
+            return None, min(short, time) if mem <= cap else short
         sizes.append(j - unit)
+        if time > slowest:
+            slowest = time
         unit = j
-    return tuple(sizes) if unit == n else None
+    return (tuple(sizes), slowest) if unit == n else (None, short)
 
 
 def balanced_partition(
@@ -73,7 +82,8 @@ def balanced_partition(
     a slower rank's stages take fewer units; ``each_holds`` then asks every stage to hold at
     least one of those units (the decoder layers, by which a rank's speed is measured).
 
-    None if no partition fits.
+    None if no partition fits. Bisects the limit of ``_pack``; a limit within the range a
+    pack already answered for is not packed again (the search asks for hundreds of these).
     """
     n = len(seconds)
     if not 1 <= stages <= n:
@@ -82,18 +92,23 @@ def balanced_partition(
         if memory is not None:
             raise ValueError("stage speeds and a memory cap together are not supported")
         return _weighted_partition(seconds, speeds, each_holds)
-
-    def feasible(limit: float) -> tuple[int, ...] | None:
-        return _pack(seconds, memory, stages, limit, memory_cap)
-
     hi = sum(seconds) + 1e-30
-    best = feasible(hi)
+    best, slowest = _pack(seconds, memory, stages, hi, memory_cap)
     if best is None:
         return None
-    lo = max(seconds)
+    lo, short = max(seconds), -math.inf
     for _ in range(40):
         mid = (lo + hi) / 2
-        found = feasible(mid)
+        if mid >= slowest:
+            found = best
+        elif mid < short:
+            found = None
+        else:
+            found, reach = _pack(seconds, memory, stages, mid, memory_cap)
+            if found is None:
+                short = reach
+            else:
+                slowest = reach
         if found is None:
             lo = mid
         else:

@@ -1,14 +1,18 @@
 """Schedule generators: the compute actions of one training step, per pipeline rank.
 
-Each generator returns, for every pipeline rank, the ordered list of its F/B (or F/I/W) actions;
-communication is added later by :mod:`tidal_plan.lowering`. Whatever the schedule, the backward
-of every stage runs its micro-batches in order 0, 1, 2, ...: gradients accumulate in
-micro-batch order, which the strict determinism contract needs.
+Each generator gives, for every pipeline rank, the order of its F/B (or F/I/W) actions compactly,
+as the string of their kinds (and with interleaving, the stage of each): the form the estimate
+runs; ``compute_actions`` numbers them into actions, and :mod:`tidal_plan.lowering` adds the
+communication. Whatever the schedule, the backward of every stage runs its micro-batches in
+order 0, 1, 2, ...: gradients accumulate in micro-batch order, which the strict determinism
+contract needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from tidal_api.layout import Layout, LayoutError, ScheduleKind
 from tidal_plan.ir import Action, Kind
@@ -18,40 +22,36 @@ Schedule = dict[int, list[Action]]
 
 def compute_actions(layout: Layout) -> Schedule:
     """Per-rank compute-only actions of one step under ``layout.schedule``."""
-    return _GENERATORS[layout.schedule](layout)
+    if layout.schedule is ScheduleKind.INTERLEAVED:
+        orders = interleaved_order(layout)
+    else:
+        orders = [(kinds, itertools.repeat(rank)) for rank, kinds in enumerate(rank_kinds(layout))]
+    return {rank: _numbered(kinds, stages) for rank, (kinds, stages) in enumerate(orders)}
 
 
-def _gpipe(layout: Layout) -> Schedule:
-    # One stage per rank (virtual_stages is 1 for every schedule but interleaved).
-    m = layout.num_micro_batches
-    return {
-        rank: [Action(rank, Kind.F, mb) for mb in range(m)]
-        + [Action(rank, Kind.B, mb) for mb in range(m)]
-        for rank in range(layout.pp)
-    }
+def rank_kinds(layout: Layout) -> list[str]:
+    """The order of a schedule with one stage per rank (all but interleaved), compactly: per
+    rank, the kinds of its compute actions, e.g. ``"FFIWF..."``.
+
+    Rank ``r`` runs stage ``r``, and each kind takes the micro-batches in order (its k-th F is
+    the forward of micro-batch k). The estimate runs this form: a step the planner prices can
+    hold a hundred thousand actions, and building an ``Action`` each costs more than
+    simulating it.
+    """
+    if layout.schedule is ScheduleKind.INTERLEAVED:
+        raise ValueError("an interleaved rank runs several stages: use interleaved_order")
+    return _KIND_ORDERS[layout.schedule](layout.pp, layout.num_micro_batches)
 
 
-def _one_f_one_b(layout: Layout) -> Schedule:
-    # Megatron's 1F1B: rank r runs pp - r - 1 warm-up forwards, then alternates one forward and
-    # one backward, then drains the remaining backwards. Rank r never holds more than pp - r
-    # micro-batches' activations.
-    pp, m = layout.pp, layout.num_micro_batches
-    schedule: Schedule = {}
-    for rank in range(pp):
-        warmup = min(m, pp - rank - 1)
-        actions = [Action(rank, Kind.F, mb) for mb in range(warmup)]
-        for mb in range(m - warmup):
-            actions += [Action(rank, Kind.F, warmup + mb), Action(rank, Kind.B, mb)]
-        actions += [Action(rank, Kind.B, mb) for mb in range(m - warmup, m)]
-        schedule[rank] = actions
-    return schedule
+def interleaved_order(layout: Layout) -> list[tuple[str, list[int]]]:
+    """Megatron's interleaved 1F1B, compactly (as ``rank_kinds``): per rank, the kinds of its
+    compute actions and the stage of each; each stage takes the micro-batches in order.
 
-
-def _interleaved(layout: Layout) -> Schedule:
-    # Megatron's interleaved 1F1B. Micro-batches go through the v chunks of a rank in groups of
-    # pp: the k-th forward of a rank is chunk (k // pp) % v on micro-batch
-    # (k // (pp * v)) * pp + k % pp, the k-th backward the same with the chunks reversed. Rank r
-    # warms up with (v - 1) * pp + 2 * (pp - r - 1) forwards, then alternates, then drains.
+    Micro-batches go through the v chunks of a rank in groups of pp: the k-th forward of a
+    rank is chunk (k // pp) % v on micro-batch (k // (pp * v)) * pp + k % pp, the k-th
+    backward the same with the chunks reversed. Rank r warms up with (v - 1) * pp + 2 * (pp -
+    r - 1) forwards, then alternates, then drains.
+    """
     pp, v, m = layout.pp, layout.virtual_stages, layout.num_micro_batches
     if m % pp:
         raise LayoutError(
@@ -59,27 +59,47 @@ def _interleaved(layout: Layout) -> Schedule:
             f"pp={pp}; use {m - m % pp or pp} or {m + pp - m % pp} micro-batches"
         )
     total = m * v
-
-    def virtual(rank: int, k: int, kind: Kind) -> Action:
-        chunk = (k // pp) % v
-        if kind is Kind.B:
-            chunk = v - 1 - chunk
-        mb = (k // (pp * v)) * pp + k % pp
-        return Action(chunk * pp + rank, kind, mb)
-
-    schedule: Schedule = {}
+    orders = []
     for rank in range(pp):
         warmup = min(total, (v - 1) * pp + 2 * (pp - rank - 1))
-        actions = [virtual(rank, k, Kind.F) for k in range(warmup)]
-        for k in range(total - warmup):
-            actions += [virtual(rank, warmup + k, Kind.F), virtual(rank, k, Kind.B)]
-        actions += [virtual(rank, k, Kind.B) for k in range(total - warmup, total)]
-        schedule[rank] = actions
-    return schedule
+        kinds = "F" * warmup + "FB" * (total - warmup) + "B" * warmup
+        # The stages of its forwards in turn, pp micro-batches each, and of its backwards.
+        chunks = {
+            "F": iter([c * pp + rank for c in range(v) for _ in range(pp)] * (m // pp)),
+            "B": iter([c * pp + rank for c in reversed(range(v)) for _ in range(pp)] * (m // pp)),
+        }
+        orders.append((kinds, list(map(next, map(chunks.__getitem__, kinds)))))
+    return orders
 
 
-def _zero_bubble_h1(layout: Layout) -> Schedule:
-    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023), built by list scheduling.
+_KINDS = {kind.value: kind for kind in Kind}
+
+
+def _numbered(kinds: str, stages: Iterable[int]) -> list[Action]:
+    """``kinds`` as actions on ``stages``, each stage and kind numbering its micro-batches
+    from 0."""
+    done: Counter[tuple[int, str]] = Counter()
+    actions = []
+    for letter, stage in zip(kinds, stages):
+        actions.append(Action(stage, _KINDS[letter], done[stage, letter]))
+        done[stage, letter] += 1
+    return actions
+
+
+def _gpipe(pp: int, m: int) -> list[str]:
+    return ["F" * m + "B" * m] * pp
+
+
+def _one_f_one_b(pp: int, m: int) -> list[str]:
+    # Megatron's 1F1B: rank r runs pp - r - 1 warm-up forwards, then alternates one forward and
+    # one backward, then drains the remaining backwards. Rank r never holds more than pp - r
+    # micro-batches' activations.
+    warmups = (min(m, pp - rank - 1) for rank in range(pp))
+    return ["F" * w + "FB" * (m - w) + "B" * w for w in warmups]
+
+
+def _zero_bubble_h1(pp: int, m: int) -> list[str]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023), as list scheduling orders it.
 
     The backward is split into I (input gradient, on the critical path) and W (weight gradient,
     off it). Stepping through unit time, every free rank r takes, in order of preference:
@@ -90,51 +110,27 @@ def _zero_bubble_h1(layout: Layout) -> Schedule:
     - the next I, once its output gradient is there;
     - the oldest pending W, filling what would otherwise be a bubble.
 
+    The order this gives has a closed form, built here (the planner asks for steps of
+    hundreds of micro-batches on dozens of ranks; tests/unit/test_schedules.py runs the list
+    scheduling itself against it): rank r runs ``k = min(m, pp - r)`` forwards, then ``j =
+    min(r, m - k)`` pairs I F while the gradients of the first micro-batches come back, then
+    the steady state I W F, then drains with ``k`` pairs I W and ``j`` last W.
+
     With F = I = W and m >= pp this gives the paper's ZB-H1 shape and its makespan of
     (3m + pp - 1) units against 1F1B's 3(m + pp - 1). Unit times shape the order only; the
     order is deadlock-free under any costs.
     """
-    pp, m = layout.pp, layout.num_micro_batches
-    last, never = pp - 1, 1 << 62
-    # Finish times of F and I per (rank, micro-batch): plain lists, as the planner builds
-    # these lists for thousands of (pp, m) pairs.
-    f_done = [[never] * m for _ in range(pp)]
-    i_done = [[never] * m for _ in range(pp)]
-    next_f, next_i, next_w = [0] * pp, [0] * pp, [0] * pp
-    free_at = [0] * pp
-    schedule: Schedule = {rank: [] for rank in range(pp)}
-    finished = 0  # ranks with every W done
-    # Even a fully serial run ends within 3 * m * pp steps; running past them is a bug here,
-    # not a bad layout.
-    for now in range(3 * m * pp + 1):
-        for rank in range(pp):
-            if free_at[rank] > now:
-                continue
-            f, i, w = next_f[rank], next_i[rank], next_w[rank]
-            input_ready = rank == 0 or f < m and f_done[rank - 1][f] <= now
-            if f < m and input_ready and f - i < pp - rank and f - w < pp:
-                next_f[rank], f_done[rank][f] = f + 1, now + 1
-                schedule[rank].append(Action(rank, Kind.F, f))
-            # F(rank, i) is done: i < f and the rank is free.
-            elif i < f and (rank == last or i_done[rank + 1][i] <= now):
-                next_i[rank], i_done[rank][i] = i + 1, now + 1
-                schedule[rank].append(Action(rank, Kind.I, i))
-            elif w < i:
-                next_w[rank] = w + 1
-                finished += w + 1 == m
-                schedule[rank].append(Action(rank, Kind.W, w))
-            else:
-                continue
-            free_at[rank] = now + 1
-        if finished == pp:
-            return schedule
-    raise RuntimeError(f"zero-bubble list scheduling did not finish for {layout.describe()}")
+    orders = []
+    for rank in range(pp):
+        k = min(m, pp - rank)
+        j = min(rank, m - k)
+        orders.append("F" * k + "IF" * j + "IWF" * (m - k - j) + "IW" * k + "W" * j)
+    return orders
 
 
-_GENERATORS: dict[ScheduleKind, Callable[[Layout], Schedule]] = {
+_KIND_ORDERS: dict[ScheduleKind, Callable[[int, int], list[str]]] = {
     ScheduleKind.GPIPE: _gpipe,
     ScheduleKind.ONE_F_ONE_B: _one_f_one_b,
-    ScheduleKind.INTERLEAVED: _interleaved,
     ScheduleKind.ZERO_BUBBLE: _zero_bubble_h1,
 }
 

@@ -5,9 +5,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal_api.layout import ScheduleKind
+from tidal_plan import estimate
 from tidal_plan.actioncosts import Costs
 from tidal_plan.bounds import estimate_lower_bound, makespan_lower_bound
-from tidal_plan.dryrun import dry_run, plan_step
+from tidal_plan.dryrun import DeadlockError, dry_run, plan_step
 from tidal_plan.estimate import estimate_step
 from tidal_plan.layout import build_layout
 
@@ -54,6 +55,32 @@ def test_estimate_is_within_a_percent_of_the_dry_run(case):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("pp", [5, 9])
+def test_long_pipelines_simulated_whole_are_the_dry_run_to_the_bit(kind, pp):
+    # Every rank waits on both neighbours here (the randomized test stops at four ranks).
+    v = 2 if kind is ScheduleKind.INTERLEAVED else 1
+    stages = pp * v
+    lay = build_layout(num_units=stages, workers=pp, micro_batch_size=1,
+                       num_micro_batches=2 * pp, schedule=kind, virtual_stages=v)
+    costs = Costs(forward=tuple(0.5 + 0.37 * (s % 3) for s in range(stages)),
+                  input_grad=tuple(1.1 - 0.05 * s for s in range(stages)),
+                  weight_grad=tuple(0.3 + 0.1 * (s % 2) for s in range(stages)), comm=0.07,
+                  activation_bytes=tuple(1.0 + 0.3 * s for s in range(stages)))
+    fast, full = estimate_step(lay, costs), dry_run(lay, plan_step(lay), costs)
+    assert fast.simulated == (lay.num_micro_batches,)
+    assert (fast.makespan, fast.peak_memory) == (full.makespan, full.peak_memory)
+
+
+def test_an_order_that_deadlocks_is_refused(monkeypatch):
+    # Rank 0 would run an I before any F has reached rank 1, which waits for rank 0's F.
+    monkeypatch.setattr(estimate, "rank_kinds", lambda layout: ["IWF", "FIW"])
+    lay = build_layout(num_units=2, workers=2, micro_batch_size=1, num_micro_batches=1,
+                       schedule=ScheduleKind.ZERO_BUBBLE)
+    with pytest.raises(DeadlockError, match="deadlocks"):
+        estimate_step(lay, Costs())
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_long_steps_are_extrapolated_exactly(kind):
     v = 2 if kind is ScheduleKind.INTERLEAVED else 1
     lay = build_layout(num_units=8, workers=3, micro_batch_size=1, num_micro_batches=96,
@@ -85,6 +112,21 @@ def test_the_lower_bounds_are_ones(case):
     if fast.simulated == (lay.num_micro_batches,):
         assert step <= fast.makespan * (1 + 1e-12)
         assert all(p <= q * (1 + 1e-12) for p, q in zip(peak, fast.peak_memory, strict=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(5, 9), st.data())
+def test_the_zero_bubble_bound_holds_on_longer_pipelines(pp, data):
+    # The ZB-H1 bound counts the W each rank runs before its last I from its order.
+    m = data.draw(st.integers(1, 5 * pp))
+    lay = build_layout(num_units=pp, workers=pp, micro_batch_size=1, num_micro_batches=m,
+                       schedule=ScheduleKind.ZERO_BUBBLE)
+    per_stage = st.lists(st.floats(0.05, 3.0), min_size=pp, max_size=pp).map(tuple)
+    costs = Costs(forward=data.draw(per_stage), input_grad=data.draw(per_stage),
+                  weight_grad=data.draw(per_stage), comm=data.draw(st.sampled_from([0.0, 0.3])))
+    fast = estimate_step(lay, costs)
+    assert fast.simulated == (m,)
+    assert estimate_lower_bound(lay, costs)[0] <= fast.makespan * (1 + 1e-12)
 
 
 def _heavy_first_stage(kind):

@@ -13,7 +13,7 @@ from tidal_plan.actioncosts import Costs
 from tidal_plan.dryrun import dry_run, plan_step
 from tidal_plan.ir import Action, Kind, format_actions, parse_actions
 from tidal_plan.lowering import fifo_consistent, lower, receive_early
-from tidal_plan.schedules import compute_actions, validate_compute
+from tidal_plan.schedules import compute_actions, rank_kinds, validate_compute
 
 
 def layout(
@@ -101,6 +101,48 @@ def test_one_f_one_b_warms_up_then_alternates() -> None:
 def test_zero_bubble_with_one_rank_is_f_i_w_per_micro_batch() -> None:
     compute = compute_actions(layout(1, 2, ScheduleKind.ZERO_BUBBLE))
     assert format_actions(compute[0]) == "0F0 0I0 0W0 0F1 0I1 0W1"
+
+
+def zero_bubble_by_list_scheduling(pp: int, m: int) -> list[str]:
+    """ZB-H1 as its docstring defines it: unit time, every free rank takes the next F if its
+    input is there and the in-flight limits allow, else the next I if its gradient is there,
+    else the oldest pending W. The generator builds this order in closed form."""
+    never = 1 << 62
+    f_done, i_done = [[never] * m for _ in range(pp)], [[never] * m for _ in range(pp)]
+    next_f, next_i, next_w = [0] * pp, [0] * pp, [0] * pp
+    busy_until = [0] * pp
+    orders = [""] * pp
+    for now in range(3 * m * pp + 1):
+        for rank in range(pp):
+            if busy_until[rank] > now:
+                continue
+            f, i, w = next_f[rank], next_i[rank], next_w[rank]
+            input_ready = rank == 0 or f < m and f_done[rank - 1][f] <= now
+            if f < m and input_ready and f - i < pp - rank and f - w < pp:
+                next_f[rank], f_done[rank][f], kind = f + 1, now + 1, "F"
+            elif i < f and (rank == pp - 1 or i_done[rank + 1][i] <= now):
+                next_i[rank], i_done[rank][i], kind = i + 1, now + 1, "I"
+            elif w < i:
+                next_w[rank], kind = w + 1, "W"
+            else:
+                continue
+            orders[rank] += kind
+            busy_until[rank] = now + 1
+        if all(len(order) == 3 * m for order in orders):
+            return orders
+    raise AssertionError(f"list scheduling did not finish for pp={pp} m={m}")
+
+
+@pytest.mark.parametrize("pp", [*range(1, 11), 17])
+def test_zero_bubble_closed_form_is_its_list_schedule(pp: int) -> None:
+    for m in [*range(1, 3 * pp + 4), 40, 96]:
+        lay = layout(pp, m, ScheduleKind.ZERO_BUBBLE)
+        assert rank_kinds(lay) == zero_bubble_by_list_scheduling(pp, m), f"pp={pp} m={m}"
+
+
+def test_zero_bubble_closed_form_holds_for_the_planners_long_steps() -> None:
+    lay = layout(33, 384, ScheduleKind.ZERO_BUBBLE)
+    assert rank_kinds(lay) == zero_bubble_by_list_scheduling(33, 384)
 
 
 def test_interleaved_with_one_rank_keeps_every_stage_there() -> None:

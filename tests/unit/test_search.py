@@ -16,7 +16,7 @@ from tidal_plan.costmodel import Sharding, predict, unit_costs
 from tidal_plan.devices import DEVICES, Device
 from tidal_plan.layout import build_layout
 from tidal_plan.modelshape import FLEXTRAIN, ModelShape
-from tidal_plan.partition import StageMemory, balanced_partition
+from tidal_plan.partition import StageMemory, _pack, balanced_partition
 from tidal_plan.planner import (
     FLEXTRAIN_RUNS,
     LayoutPlanner,
@@ -71,6 +71,47 @@ def test_memory_cap_moves_units_off_the_stage_that_holds_most_micro_batches():
     assert balanced_partition(seconds, 2) == (3, 3)
     assert balanced_partition(seconds, 2, memory, memory_cap=6.0) == (2, 4)
     assert balanced_partition(seconds, 2, memory, memory_cap=2.0) is None
+
+
+def bisect_packing_every_limit(seconds, stages, memory, cap):
+    """balanced_partition's bisection as it reads, packing at every limit it tries."""
+    hi = sum(seconds) + 1e-30
+    best = _pack(seconds, memory, stages, hi, cap)[0]
+    if best is None:
+        return None
+    lo = max(seconds)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        found = _pack(seconds, memory, stages, mid, cap)[0]
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+        if hi - lo <= 1e-6 * hi:
+            break
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0.05, 0.5, 1.0, 1.0, 1.0, 2.0, 3.5]) | st.floats(0.01, 5.0),
+                min_size=1, max_size=40),
+       st.data())
+def test_balanced_partition_packs_only_where_the_answer_is_unknown(seconds, data):
+    # A pack answers for a range of limits (packed: down to its slowest stage; not: up to the
+    # least sum a stage stopped short of); skipping the limits in those ranges must not change
+    # the bisection's answer, with or without a memory cap.
+    stages = data.draw(st.integers(1, len(seconds)))
+    memory, cap = None, float("inf")
+    if data.draw(st.booleans()):
+        n = len(seconds)
+        memory = StageMemory(
+            state=data.draw(st.lists(st.floats(0.0, 3.0), min_size=n, max_size=n)),
+            activation=data.draw(st.lists(st.floats(0.0, 2.0), min_size=n, max_size=n)),
+            in_flight=data.draw(st.lists(st.sampled_from([1, 2, 3, 4.5]), min_size=stages,
+                                         max_size=stages)))
+        cap = data.draw(st.floats(1.0, 40.0))
+    assert balanced_partition(seconds, stages, memory, cap) == (
+        bisect_packing_every_limit(seconds, stages, memory, cap))
 
 
 def test_heads_get_stages_of_their_own():
