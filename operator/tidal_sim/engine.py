@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from bisect import bisect_right
 from collections.abc import Callable
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -129,7 +130,8 @@ class _Job:
     switch_at: float = 0.0  # the step boundary the newest switch starts at
     before: int = 0  # the workers that train until then
     end_at: float | None = None  # the one live "end" event of an elastic job
-    pending: tuple[Pod, ...] = ()  # its pods as decide sees them while it queues
+    pending: tuple[Pod, ...] = ()  # see waiting()
+    rows: list[int] = field(default_factory=list)  # its scale table's worker counts (_start)
     sizes: list[int] = field(default_factory=list)  # its pods' GPUs, largest first (_arrive)
 
     @property
@@ -140,6 +142,16 @@ class _Job:
         g = self.trace.gpus
         rest = g % GPUS_PER_NODE
         return [GPUS_PER_NODE] * (g // GPUS_PER_NODE) + ([rest] if rest else [])
+
+    def waiting(self) -> tuple[Pod, ...]:
+        """Its pods as decide sees them while it queues; made when a snapshot first needs
+        them (most jobs start as they arrive, unseen)."""
+        if not self.pending:
+            self.pending = tuple(Pod(f"{self.key}/{i}", size, None, "Pending",
+                                     self.key if self.trace.size else None,
+                                     created=self.trace.submit)
+                                 for i, size in enumerate(self.sizes))
+        return self.pending
 
 
 class Simulation:
@@ -155,6 +167,7 @@ class Simulation:
         # nodes by free GPUs (index 0..8), kept with ``free``: cheap tests of what could fit
         self.nodes_with = [0] * GPUS_PER_NODE + [config.nodes]
         self.nodes = tuple(Node(n, GPUS_PER_NODE) for n in self.free)
+        self.names = sorted(self.free)  # best fit's order among nodes with as many GPUs free
         self.capacity = GPUS_PER_NODE * config.nodes
         too_big = [j.job_id for j in jobs if j.gpus > self.capacity]
         if too_big:
@@ -165,6 +178,7 @@ class Simulation:
         self.progress = progress
         self.jobs = [_Job(j) for j in jobs]
         self.queue: list[_Job] = []
+        self.tried = 0  # the queued jobs known not to fit (_start_fitting)
         self.running: dict[str, _Job] = {}
         self.elastic: dict[str, _Job] = {}  # the running elastic jobs, in start order
         self.arrivals: deque[float] = deque()
@@ -256,9 +270,6 @@ class Simulation:
         if job.trace.size is None:
             self.arrivals.append(job.trace.submit)
         job.sizes = job.pod_sizes()
-        job.pending = tuple(Pod(f"{job.key}/{i}", size, None, "Pending",
-                                job.key if job.trace.size else None, created=job.trace.submit)
-                            for i, size in enumerate(job.sizes))
         if job.trace.size:  # as the operator sees a new job: no member yet, below its minimum
             m = job.trace.gpus // GPUS_PER_NODE
             job.spec = ElasticJob(key=job.key, min_workers=m, max_workers=m, workers=0,
@@ -281,6 +292,7 @@ class Simulation:
     def _give(self, pod: Pod) -> None:
         self._move(pod.node, pod.gpus)
         self.held -= pod.gpus
+        self.tried = 0  # GPUs came back: every queued job may fit (_start_fitting)
 
     def _move(self, node: str, gpus: int) -> None:
         """Add ``gpus`` (negative: take them) to ``node``'s free GPUs, and to its count."""
@@ -309,45 +321,55 @@ class Simulation:
 
     # --- placement ----------------------------------------------------------------------
     def _place(self, sizes: list[int]) -> list[str] | None:
-        """Best-fit nodes for pods of ``sizes`` (largest first), or None if they do not all fit."""
+        """Best-fit nodes for pods of ``sizes`` (largest first), or None if they do not all
+        fit: each on a node with the fewest free GPUs that hold it, the first by name."""
+        amounts = self._best_fit(sizes)
+        if amounts is None:
+            return None
         free = dict(self.free)
         chosen = []
-        for size in sizes:
-            fits = [(g, n) for n, g in free.items() if g >= size]
-            if not fits:
-                return None
-            _, node = min(fits)
+        for size, amount in zip(sizes, amounts, strict=True):
+            node = next(n for n in self.names if free[n] == amount)
             free[node] -= size
             chosen.append(node)
         return chosen
 
-    def _fits(self, sizes: list[int]) -> bool:
-        """Whether :meth:`_place` finds nodes for ``sizes``, without naming them: best fit
-        chooses a node by its free GPUs (the name only breaks ties among equals), so replaying
-        its choices on the count of nodes by free GPUs succeeds exactly where it does."""
+    def _best_fit(self, sizes: list[int]) -> list[int] | None:
+        """The free GPUs of the node best fit puts each pod of ``sizes`` on, or None if they do
+        not all fit, from the count of nodes by free GPUs alone: best fit chooses by free GPUs
+        (the name only breaks ties among equals)."""
         count = self.nodes_with[:]
+        amounts = []
         for size in sizes:
             for amount in range(size, GPUS_PER_NODE + 1):
                 if count[amount]:
                     break
             else:
-                return False
+                return None
             count[amount] -= 1
             count[amount - size] += 1
-        return True
+            amounts.append(amount)
+        return amounts
 
     def _start_fitting(self) -> None:
-        waiting = []
-        for job in self.queue:
+        """Start the queued jobs that fit, in queue order (backfill).
+
+        The first ``self.tried`` failed to fit when last tried and no GPUs came back since,
+        so they fail again: a job's pods are whole-node pods and one smaller, and fewer free
+        GPUs leave no more whole free nodes and no node holding the smaller pod that was not
+        there, or a whole free node, before. Only the jobs after them are tried."""
+        waiting = self.queue[:self.tried]
+        for job in self.queue[self.tried:]:
             nodes = None
             # the GPUs free in all first: most queued jobs fail there, at no cost
-            if job.trace.gpus <= self.capacity - self.held and self._fits(job.sizes):
+            if job.trace.gpus <= self.capacity - self.held:
                 nodes = self._place(job.sizes)
             if nodes is None:
                 waiting.append(job)
                 continue
             self._start(job, job.sizes, nodes)
         self.queue = waiting
+        self.tried = len(waiting)
 
     def _start(self, job: _Job, sizes: list[int], nodes: list[str]) -> None:
         job.start = self.now
@@ -371,6 +393,7 @@ class Simulation:
         job.step_s = self.tables[job.trace.size].rows[0].step_seconds
         job.before = m
         greedy = self.config.policy == "greedy"
+        job.rows = [r.workers for r in table.rows]
         job.spec = ElasticJob(
             key=job.key, min_workers=m, max_workers=table.max_workers, workers=m,
             gpus_per_worker=GPUS_PER_NODE, members=tuple(p.key for p in job.pods),
@@ -396,10 +419,10 @@ class Simulation:
         ``_restore`` acts only on a job below its minimum, ``_drop_stragglers`` on one with
         stragglers (``slow``), both checked here. With pods pending, ``make_room`` shrinks only
         a job that is not busy and above its minimum. With none, ``_scale_up`` grows only a job
-        that is not busy nor cooling down, below its cap, and only onto a node with free GPUs
-        for a whole worker (``FreeGPUs.slots``).
+        that is not busy nor cooling down, and only to a row of its table above its count
+        within its reach: its cap, and as many more workers as fit on the free GPUs, each on
+        one node (``_offer``, ``FreeGPUs.slots``).
         """
-        largest_free = max(a for a, count in enumerate(self.nodes_with) if count)
         for job in self.elastic.values():
             spec = job.spec
             if spec.workers < spec.min_workers or spec.slow:
@@ -409,18 +432,27 @@ class Simulation:
             if self.queue:
                 if spec.workers > spec.min_workers:
                     return True
-            elif (spec.workers < spec.cap and spec.gpus_per_worker <= largest_free
-                  and (spec.last_scale_time is None
-                       or self.now - spec.last_scale_time >= spec.cooldown_seconds)):
-                return True
+            elif spec.last_scale_time is None or (
+                    self.now - spec.last_scale_time >= spec.cooldown_seconds):
+                above = bisect_right(job.rows, spec.workers)
+                if above < len(job.rows) and job.rows[above] <= min(
+                        spec.cap, spec.workers + self._slots(spec.gpus_per_worker)):
+                    return True
         return False
+
+    def _slots(self, size: int) -> int:
+        """How many pods of ``size`` GPUs fit on the free GPUs, each on one node."""
+        if size == GPUS_PER_NODE:  # every elastic worker: the whole free nodes
+            return self.nodes_with[GPUS_PER_NODE]
+        return sum(count * (amount // size)
+                   for amount, count in enumerate(self.nodes_with) if amount >= size)
 
     def _snapshot(self) -> Snapshot:
         while self.arrivals and self.arrivals[0] < self.now - self.config.window_seconds:
             self.arrivals.popleft()
         pods = [p for job in self.running.values() for p in job.pods]
         for job in self.queue:
-            pods += job.pending
+            pods += job.waiting()
         jobs = []
         for job in self.elastic.values():
             busy = job.paused_until > self.now
