@@ -185,13 +185,13 @@ def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
     """Give idle GPUs first to the job whose predicted completion time gains most per GPU
     (per second it holds it: :class:`Offer`).
 
-    Each job's offer (:func:`_offer`) is priced on the GPUs idle now; the best per GPU is
-    priced again on what is left when its turn comes (the jobs before it took GPUs) and placed
-    if it is still the best, else put back in its place (a lazy greedy: a job whose best row no
-    longer fits may still want a smaller one). Ties go to the fewest workers, then the key. A
-    job takes one row per round; its new workers leave the pool for the jobs after it. The
-    free GPUs reach an offer only through the most workers it could have (``reach``): an
-    offer whose reach is unchanged is priced again to the same offer, so it is kept.
+    Each job's offer (:func:`scale_up_offer`) is priced on the GPUs idle now; the best per
+    GPU is priced again on what is left when its turn comes (the jobs before it took GPUs) and
+    placed if it is still the best, else put back in its place (a lazy greedy: a job whose
+    best row no longer fits may still want a smaller one). Ties go to the fewest workers, then
+    the key. A job takes one row per round; its new workers leave the pool for the jobs after
+    it. The free GPUs reach an offer only through the most workers it could have (``reach``):
+    an offer whose reach is unchanged is priced again to the same offer, so it is kept.
     """
     if free.idle <= 0:
         return ()
@@ -202,7 +202,7 @@ def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
         reach = min(job.cap, job.workers + free.slots(job.gpus_per_worker, allowed))
         if stale is not None and stale.reach == reach:
             return stale
-        return _offer(job, reach, allowed, arrivals, snapshot.window_seconds, now)
+        return scale_up_offer(job, reach, allowed, arrivals, snapshot.window_seconds, now)
 
     queue = [o.rank() for job in snapshot.jobs
              if job.key not in skip and (o := offer(job)) is not None]
@@ -232,7 +232,7 @@ class Offer:
 
     job: ElasticJob
     allowed: frozenset[str] | None
-    reach: int  # the most workers the idle GPUs allowed it when priced (see _offer)
+    reach: int  # the most workers the idle GPUs allowed it when priced (scale_up_offer)
     to_workers: int
     gain: float  # tokens/s over the current row's, less one
     per_gpu: float
@@ -262,8 +262,8 @@ class Offer:
         )
 
 
-def _offer(job: ElasticJob, reach: int, allowed: frozenset[str] | None,
-           arrivals: list[float], window: float, now: float) -> Offer | None:
+def scale_up_offer(job: ElasticJob, reach: int, allowed: frozenset[str] | None,
+                   arrivals: list[float], window: float, now: float) -> Offer | None:
     """The job's scale-up, or None. The rows above its count up to ``reach`` (its cap,
     maxWorkers and maxScaleFactor x minWorkers, and as far as new workers fit on the idle GPUs
     of the nodes its placement allows, each worker on one node, best fit) are the candidates;

@@ -34,7 +34,6 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from bisect import bisect_right
 from collections.abc import Callable
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -43,7 +42,7 @@ from statistics import fmean
 
 from tidal_api import ScaleTable
 from tidal_api.scale import ScaleRow
-from tidal_operator.policy import decide
+from tidal_operator.policy import decide, scale_up_offer
 from tidal_plan.keepers import keepers_stay
 from tidal_sim.trace import GPUS_PER_NODE, TraceJob
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
@@ -131,7 +130,6 @@ class _Job:
     before: int = 0  # the workers that train until then
     end_at: float | None = None  # the one live "end" event of an elastic job
     pending: tuple[Pod, ...] = ()  # see waiting()
-    rows: list[int] = field(default_factory=list)  # its scale table's worker counts (_start)
     sizes: list[int] = field(default_factory=list)  # its pods' GPUs, largest first (_arrive)
 
     @property
@@ -393,7 +391,6 @@ class Simulation:
         job.step_s = self.tables[job.trace.size].rows[0].step_seconds
         job.before = m
         greedy = self.config.policy == "greedy"
-        job.rows = [r.workers for r in table.rows]
         job.spec = ElasticJob(
             key=job.key, min_workers=m, max_workers=table.max_workers, workers=m,
             gpus_per_worker=GPUS_PER_NODE, members=tuple(p.key for p in job.pods),
@@ -418,11 +415,14 @@ class Simulation:
         queue is not empty. Its running jobs are ``self.elastic``'s, busy while paused. Then:
         ``_restore`` acts only on a job below its minimum, ``_drop_stragglers`` on one with
         stragglers (``slow``), both checked here. With pods pending, ``make_room`` shrinks only
-        a job that is not busy and above its minimum. With none, ``_scale_up`` grows only a job
-        that is not busy nor cooling down, and only to a row of its table above its count
-        within its reach: its cap, and as many more workers as fit on the free GPUs, each on
-        one node (``_offer``, ``FreeGPUs.slots``).
+        a job that is not busy and above its minimum. With none, ``_scale_up`` places only the
+        offers that :func:`~tidal_operator.policy.scale_up_offer` prices on the idle GPUs of
+        the snapshot (every node may take every pod here), which it prices here the same way:
+        the job as the snapshot has it (not busy), its reach (its cap, and as many more
+        workers as fit on the free GPUs, each on one node: ``FreeGPUs.slots``), the arrivals
+        in the window, sorted.
         """
+        arrivals = None
         for job in self.elastic.values():
             spec = job.spec
             if spec.workers < spec.min_workers or spec.slow:
@@ -432,12 +432,12 @@ class Simulation:
             if self.queue:
                 if spec.workers > spec.min_workers:
                     return True
-            elif spec.last_scale_time is None or (
-                    self.now - spec.last_scale_time >= spec.cooldown_seconds):
-                above = bisect_right(job.rows, spec.workers)
-                if above < len(job.rows) and job.rows[above] <= min(
-                        spec.cap, spec.workers + self._slots(spec.gpus_per_worker)):
-                    return True
+                continue
+            arrivals = arrivals or sorted(self._recent_arrivals())
+            reach = min(spec.cap, spec.workers + self._slots(spec.gpus_per_worker))
+            if scale_up_offer(spec, reach, None, arrivals, self.config.window_seconds,
+                              self.now) is not None:
+                return True
         return False
 
     def _slots(self, size: int) -> int:
@@ -447,9 +447,13 @@ class Simulation:
         return sum(count * (amount // size)
                    for amount, count in enumerate(self.nodes_with) if amount >= size)
 
-    def _snapshot(self) -> Snapshot:
+    def _recent_arrivals(self) -> deque[float]:
+        """The non-elastic arrivals within the window before now."""
         while self.arrivals and self.arrivals[0] < self.now - self.config.window_seconds:
             self.arrivals.popleft()
+        return self.arrivals
+
+    def _snapshot(self) -> Snapshot:
         pods = [p for job in self.running.values() for p in job.pods]
         for job in self.queue:
             pods += job.waiting()
@@ -458,7 +462,7 @@ class Simulation:
             busy = job.paused_until > self.now
             jobs.append(job.spec if busy == job.spec.busy else replace(job.spec, busy=busy))
         jobs += [job.spec for job in self.queue if job.spec is not None]  # (see _arrive)
-        return Snapshot(self.nodes, tuple(pods), tuple(jobs), tuple(self.arrivals),
+        return Snapshot(self.nodes, tuple(pods), tuple(jobs), tuple(self._recent_arrivals()),
                         self.config.window_seconds)
 
     def _apply(self, decisions) -> None:
