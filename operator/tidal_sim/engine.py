@@ -24,9 +24,10 @@ bench/reshard.py's 0.147 s for 49.4M parameters scaled up by state size with roo
 coordination; checkpoint-restart 60/120/240 s (bench/reshard.py measures 6.06 s, 41x the
 hot switch, for a model far smaller than FlexTrain's; save and load grow with state).
 
-At about 530 lines this module is over the house's 400 on purpose: ``Simulation`` is one clock
+At about 590 lines this module is over the house's 400 on purpose: ``Simulation`` is one clock
 over one state (nodes, queue, running jobs, pending switches), and each handler reads and moves
-all of it; split, the handlers would pass that state around or reach into each other's.
+all of it; split, the handlers would pass that state around or reach into each other's. The
+scale tables it reads, which need none of that state, live in :mod:`tidal_sim.tables`.
 """
 
 from __future__ import annotations
@@ -40,10 +41,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 
-from tidal_api import ScaleTable
-from tidal_api.scale import ScaleRow
 from tidal_operator.policy import decide, scale_up_offer
 from tidal_plan.keepers import keepers_stay
+from tidal_sim.tables import TABLES_DIR, job_table, load_tables
 from tidal_sim.trace import GPUS_PER_NODE, TraceJob
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
 
@@ -51,7 +51,6 @@ POLICIES = ("static", "greedy", "flextrain", "tidal")
 HOT_SWITCH_SECONDS = {"small": 2.0, "medium": 4.0, "large": 8.0}
 RESTART_SECONDS = {"small": 60.0, "medium": 120.0, "large": 240.0}
 RESTART_SAVE_FRACTION = 0.5  # a restart frees the GPUs it gives up once its checkpoint is saved
-_TABLES = Path(__file__).resolve().parents[2] / "examples" / "scale-tables"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,7 +68,7 @@ class SimConfig:
     # tidal's jobs keep peer snapshots (their per-step cost is not modelled): a scale-down
     # whose leavers' keepers stay frees their GPUs at the step boundary
     peer_snapshots: bool = False
-    tables_dir: Path = _TABLES
+    tables_dir: Path = TABLES_DIR
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -80,37 +79,6 @@ class SimConfig:
                 or self.pause_scale < 0):
             raise ValueError("need nodes >= 1, tick_seconds > 0, jitter >= 0 and "
                              "pause_scale >= 0")
-
-
-def load_tables(config: SimConfig) -> dict[str, ScaleTable]:
-    return {size: ScaleTable.model_validate_json(
-        (config.tables_dir / f"flextrain-{size}-{config.elastic}.json").read_text())
-        for size in ("small", "medium", "large")}
-
-
-def job_table(table: ScaleTable, min_workers: int) -> ScaleTable:
-    """``table``'s speedup curve over a job whose minimum is ``min_workers`` 8-GPU workers.
-
-    The curve is a function of the scale factor (workers over the minimum), from 1 to the
-    table's ``max_workers / min_workers``: at ``w`` workers the job runs at the speedup of the
-    table's largest row whose factor is at most ``w / min_workers`` (conservative: never more
-    than the table shows for that many GPUs per minimum GPU). Rows that gain nothing over a
-    smaller count are left out; tokens/s is the speedup. Built unvalidated: ``decide`` reads
-    only rows' workers and tokens/s.
-    """
-    low = table.min_workers
-    cap = min_workers * table.max_workers // low
-    rows, top = [], 0.0
-    for w in range(min_workers, cap + 1):
-        # factor r.workers / low <= w / min_workers, in integers
-        speedup = max(r.speedup for r in table.rows if r.workers * min_workers <= w * low)
-        if speedup > top:
-            top = speedup
-            rows.append(ScaleRow.model_construct(workers=w, tokens_per_second=speedup,
-                                                 speedup=speedup))
-    return ScaleTable.model_construct(job=table.job, min_workers=min_workers,
-                                      max_workers=rows[-1].workers,
-                                      gpus_per_worker=GPUS_PER_NODE, rows=tuple(rows))
 
 
 @dataclass(slots=True)
