@@ -5,7 +5,7 @@ scale table (PP-only, DP+PP), ``tidal sim``'s run with its defaults: every polic
 ``jct_speedup`` (static's mean elastic JCT over the policy's) and ``queue_ratio`` (the mean
 non-elastic queue time over static's), then per policy the geometric mean of the speedups over
 the traces and the worst queue ratio, and the wall seconds of each trace's run (all policies,
-static included; the largest trace's against the 60 s target). Beside them, each trace's
+static included; the largest trace's against issue 27's 5 s target). Beside them, each trace's
 ceiling: static's mean elastic JCT over what it would be if every elastic job ran at its
 table's cap from its start (``Simulation.ceiling_speedup``). Prints JSON.
 
