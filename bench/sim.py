@@ -5,7 +5,7 @@ scale table (PP-only, DP+PP), ``tidal sim``'s run with its defaults: every polic
 ``jct_speedup`` (static's mean elastic JCT over the policy's) and ``queue_ratio`` (the mean
 non-elastic queue time over static's), then per policy the geometric mean of the speedups over
 the traces and the worst queue ratio, and the wall seconds of each trace's run (all policies,
-static included; the largest trace's against the 60 s target). Beside them, each trace's
+static included; the largest trace's against issue 27's 5 s target). Beside them, each trace's
 ceiling: static's mean elastic JCT over what it would be if every elastic job ran at its
 table's cap from its start (``Simulation.ceiling_speedup``). Prints JSON.
 
@@ -48,7 +48,8 @@ sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubl
 from rich.console import Console  # noqa: E402
 
 from tidal_sim.cli import print_table, run_trace  # noqa: E402
-from tidal_sim.engine import DEFAULT_THRESHOLD, POLICIES, tradeoff  # noqa: E402
+from tidal_sim.compare import tradeoff  # noqa: E402
+from tidal_sim.engine import DEFAULT_THRESHOLD, POLICIES  # noqa: E402
 from tidal_sim.trace import load_trace, mark_elastic  # noqa: E402
 from tidal_sim.plots import write_plots  # noqa: E402
 from tidal_sim.trace import DEFAULT_LOAD, DEFAULT_SHARE  # noqa: E402

@@ -10,6 +10,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections import Counter
 from dataclasses import dataclass
+from operator import attrgetter
 
 from tidal_api import ScaleTable
 from tidal_operator.snapshot import Placement, Snapshot
@@ -41,7 +42,7 @@ class Where:
 
     def __init__(self, snapshot: Snapshot) -> None:
         self._nodes = snapshot.nodes
-        self._open = (not any(node.taints for node in snapshot.nodes)
+        self._open = (not any(map(attrgetter("taints"), snapshot.nodes))
                       or all(node.open_to_all for node in snapshot.nodes))
         self._seen: dict[Placement, frozenset[str] | None] = {}
 
@@ -56,24 +57,29 @@ class Where:
 
 class FreeGPUs:
     """Free GPUs per node; the nodes with any are bucketed by amount, names sorted, so that
-    "how many workers fit" and "the tightest node that fits" cost O(distinct amounts)."""
+    "how many workers fit" and "the tightest node that fits" cost O(distinct amounts). How
+    many fit is kept per size until GPUs move: every job's offer asks it."""
 
-    __slots__ = ("free", "idle", "_buckets")
+    __slots__ = ("free", "idle", "_buckets", "_slots")
 
     def __init__(self, free: dict[str, int]) -> None:
         self.free = free
         self.idle = 0
         self._buckets: dict[int, list[str]] = {}
-        for name in sorted(free):
-            if free[name] > 0:
-                self.idle += free[name]
-                self._buckets.setdefault(free[name], []).append(name)
+        self._slots: dict[tuple[int, frozenset[str] | None], int] = {}
+        for name in sorted(name for name, gpus in free.items() if gpus > 0):
+            self.idle += free[name]
+            self._buckets.setdefault(free[name], []).append(name)
 
     def slots(self, size: int, allowed: frozenset[str] | None = None) -> int:
         """How many pods of ``size`` GPUs fit, each on one node (of ``allowed``, if given)."""
-        return sum((len(names) if allowed is None else sum(n in allowed for n in names))
-                   * (amount // size)
-                   for amount, names in self._buckets.items() if amount >= size)
+        count = self._slots.get((size, allowed))
+        if count is None:
+            count = self._slots[size, allowed] = sum(
+                (len(names) if allowed is None else sum(n in allowed for n in names))
+                * (amount // size)
+                for amount, names in self._buckets.items() if amount >= size)
+        return count
 
     def tightest(self, size: int, allowed: frozenset[str] | None = None) -> str | None:
         """The node with the fewest free GPUs that still fits ``size`` (best fit), among
@@ -88,6 +94,7 @@ class FreeGPUs:
         return None
 
     def add(self, node: str, gpus: int) -> None:
+        self._slots.clear()
         old = self.free[node]
         new = self.free[node] = old + gpus
         self.idle += max(new, 0) - max(old, 0)
@@ -100,6 +107,10 @@ class FreeGPUs:
             insort(self._buckets.setdefault(new, []), node)
 
 
+_WORKERS, _TOKENS_PER_SECOND = attrgetter("workers"), attrgetter("tokens_per_second")
+_STEP_SECONDS = attrgetter("step_seconds")
+
+
 @dataclass(slots=True)
 class Rows:
     """A job's kept scale-table rows as parallel lists, to bisect by worker count."""
@@ -110,8 +121,8 @@ class Rows:
 
     @classmethod
     def of(cls, table: ScaleTable) -> Rows:
-        return cls([r.workers for r in table.rows], [r.tokens_per_second for r in table.rows],
-                   [r.step_seconds for r in table.rows])
+        return cls(list(map(_WORKERS, table.rows)), list(map(_TOKENS_PER_SECOND, table.rows)),
+                   list(map(_STEP_SECONDS, table.rows)))
 
     def at_most(self, workers: int) -> int:
         """Index of the largest row with at most ``workers`` (where the job runs), or -1."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,22 +80,7 @@ class Decision:
 def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
     """The scale decisions for ``snapshot`` at ``now`` (epoch seconds), at most one per job."""
     free = {node.name: node.gpus for node in snapshot.nodes}
-    below = {job.key for job in snapshot.jobs if job.workers < job.min_workers}
-    pending: list[Pod] = []
-    workers: dict[str, Pod] = {}  # bound, unfinished elastic worker pods by key
-    joiner_unbound = False
-    for pod in snapshot.pods:
-        if pod.gpus <= 0 or pod.phase in FINISHED_PHASES:
-            continue
-        if pod.node is None:
-            if pod.job is None or pod.job in below:
-                pending.append(pod)
-            else:  # a scale-up's: its GPUs are promised
-                joiner_unbound = True
-        elif pod.node in free:
-            free[pod.node] -= pod.gpus
-            if pod.job is not None:
-                workers[pod.key] = pod
+    pending, workers, joiner_unbound = _tally(snapshot, free)
     where = Where(snapshot)
     # A restored job is below its minimum, which no scale-down goes under; its new workers
     # are yet to be bound, and no scale-up runs while a joiner waits for its node.
@@ -108,6 +94,32 @@ def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
     busy = {d.job for d in dropped}
     grown = _scale_up(snapshot, FreeGPUs(free), now, where, skip=busy)
     return dropped + grown
+
+
+def _tally(snapshot: Snapshot, free: dict[str, int]) -> tuple[list[Pod], dict[str, Pod], bool]:
+    """Take the GPUs of the unfinished pods bound to a node out of ``free``. Returns the
+    pending pods, the bound unfinished elastic worker pods by key, and whether a scale-up's
+    pod waits for its node (its GPUs are promised). The loop over every pod: locals only."""
+    below = {job.key for job in snapshot.jobs if job.workers < job.min_workers}
+    pending: list[Pod] = []
+    workers: dict[str, Pod] = {}
+    joiner_unbound = False
+    finished = FINISHED_PHASES
+    for pod in snapshot.pods:
+        gpus = pod.gpus
+        if gpus <= 0 or pod.phase in finished:
+            continue
+        node = pod.node
+        if node is None:
+            if pod.job is None or pod.job in below:
+                pending.append(pod)
+            else:
+                joiner_unbound = True
+        elif node in free:
+            free[node] -= gpus
+            if pod.job is not None:
+                workers[pod.key] = pod
+    return pending, workers, joiner_unbound
 
 
 def start_workers(job: ElasticJob, free: FreeGPUs, allowed: frozenset[str] | None
@@ -153,9 +165,8 @@ def _restore(snapshot: Snapshot, free: dict[str, int], where: Where) -> tuple[De
     """
     decisions = []
     gpus = None
-    for job in sorted(snapshot.jobs, key=lambda j: (j.workers, j.key)):
-        if job.busy or not 0 < job.workers < job.min_workers:
-            continue
+    below = [job for job in snapshot.jobs if not job.busy and 0 < job.workers < job.min_workers]
+    for job in sorted(below, key=lambda j: (j.workers, j.key)):
         gpus = gpus or FreeGPUs(free)  # takes the GPUs it places out of ``free``
         count = job.min_workers - job.workers
         nodes = place(gpus, count, job.gpus_per_worker, where(job.placement))
@@ -177,7 +188,7 @@ def _drop_stragglers(snapshot: Snapshot) -> tuple[Decision, ...]:
     it), one per job and round, through the normal scale-down: never the leader, never below
     the minimum, only to a worker count the scale table keeps. A busy job waits."""
     decisions = []
-    for job in sorted(snapshot.jobs, key=lambda j: j.key):
+    for job in sorted((job for job in snapshot.jobs if job.slow), key=lambda j: j.key):
         slow = [m for m in job.slow if m in job.members[1:]]
         if job.busy or not slow or job.workers - 1 < job.min_workers or job.scale_table is None:
             continue
@@ -208,9 +219,9 @@ class Arrivals:
 
     __slots__ = ("times", "_gpus", "_sizes")
 
-    def __init__(self, snapshot: Snapshot) -> None:
-        gpus = snapshot.arrival_gpus or (1,) * len(snapshot.arrivals)  # unknown: the least
-        pairs = sorted(zip(snapshot.arrivals, gpus, strict=True))
+    def __init__(self, times: Sequence[float], gpus: Sequence[int] = ()) -> None:
+        gpus = gpus or (1,) * len(times)  # unknown: the least a GPU pod asks for
+        pairs = sorted(zip(times, gpus, strict=True))
         self.times = [t for t, _ in pairs]
         self._gpus = [g for _, g in pairs]
         self._sizes: dict[tuple[float, float], list[float]] = {}
@@ -229,30 +240,40 @@ class Arrivals:
         return (bisect_right(sizes, idle) - bisect_right(sizes, left)) / window
 
 
+
 def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
               where: Where, skip: frozenset[str] | set[str] = frozenset()) -> tuple[Decision, ...]:
     """Give idle GPUs first to the job whose predicted completion time gains most per GPU
     (per second it holds it: :class:`Offer`).
 
-    Each job's offer (:func:`_offer`) is priced on the GPUs idle now; the best per GPU is
-    priced again on what is left when its turn comes (the jobs before it took GPUs) and placed
-    if it is still the best, else put back in its place (a lazy greedy: a job whose best row no
-    longer fits may still want a smaller one). Ties go to the fewest workers, then the key. A
-    job takes one row per round; its new workers leave the pool for the jobs after it.
+    Each job's offer (:func:`scale_up_offer`) is priced on the GPUs idle now; the best per
+    GPU is priced again on what is left when its turn comes (the jobs before it took GPUs) and
+    placed if it is still the best, else put back in its place (a lazy greedy: a job whose
+    best row no longer fits may still want a smaller one). Ties go to the fewest workers, then
+    the key. A job takes one row per round; its new workers leave the pool for the jobs after
+    it. The free GPUs reach an offer only through the most workers it could have (``reach``)
+    and the GPUs idle (the headroom's): an offer whose two are unchanged is priced again to the
+    same offer, so it is kept.
     """
     if free.idle <= 0:
         return ()
-    arrivals = Arrivals(snapshot)
+    arrivals = Arrivals(snapshot.arrivals, snapshot.arrival_gpus)
 
-    def offer(job: ElasticJob) -> Offer | None:
-        return _offer(job, free, where(job.placement), arrivals, snapshot.window_seconds, now)
+    def offer(job: ElasticJob, stale: Offer | None = None) -> Offer | None:
+        allowed = where(job.placement)
+        reach = min(job.cap, job.workers + free.slots(job.gpus_per_worker, allowed))
+        if stale is not None and (stale.reach, stale.idle) == (reach, free.idle):
+            return stale
+        return scale_up_offer(job, reach, free.idle, allowed, arrivals, snapshot.window_seconds,
+                              now)
 
     queue = [o.rank() for job in snapshot.jobs
              if job.key not in skip and (o := offer(job)) is not None]
     heapq.heapify(queue)
     decisions = []
     while queue and free.idle > 0:
-        fresh = offer(heapq.heappop(queue)[-1].job)
+        stale = heapq.heappop(queue)[-1]
+        fresh = offer(stale.job, stale)
         if fresh is None:
             continue
         if queue and fresh.rank() > queue[0]:
@@ -274,6 +295,8 @@ class Offer:
 
     job: ElasticJob
     allowed: frozenset[str] | None
+    reach: int  # the most workers the idle GPUs allowed it when priced (scale_up_offer)
+    idle: int  # the GPUs idle when priced
     to_workers: int
     gain: float  # tokens/s over the current row's, less one
     per_gpu: float
@@ -303,35 +326,36 @@ class Offer:
         )
 
 
-def _offer(job: ElasticJob, free: FreeGPUs, allowed: frozenset[str] | None,
-           arrivals: Arrivals, window: float, now: float) -> Offer | None:
-    """The job's scale-up, or None. The rows above its count, up to its cap (maxWorkers and
-    maxScaleFactor x minWorkers) and as far as new workers fit on the idle GPUs of the nodes
-    its placement allows (each worker on one node, best fit), are the candidates; it takes the
-    one with the most tokens/s, the largest gain ``g`` over its current row. That row must gain
-    at least ``minGain`` and pass the Poisson rule: non-elastic pods arrive at rate ``r``
-    (counted over the job's arrival window, else the snapshot's), so the idle window ``T`` is
-    exponential and the scale-up pays when ``g x T > overhead``, with probability ``P =
-    exp(-r x overhead / g)``, which must exceed ``probabilityThreshold``. The overhead is
+def scale_up_offer(job: ElasticJob, reach: int, idle: int, allowed: frozenset[str] | None,
+                   arrivals: Arrivals, window: float, now: float) -> Offer | None:
+    """The job's scale-up, or None. The rows above its count up to ``reach`` (its cap,
+    maxWorkers and maxScaleFactor x minWorkers, and as far as new workers fit on the idle GPUs
+    of the nodes its placement allows, each worker on one node, best fit) are the candidates;
+    it takes the one with the most tokens/s, the largest gain ``g`` over its current row. That
+    row must gain at least ``minGain`` and pass the Poisson rule: non-elastic pods arrive at
+    rate ``r`` (counted over the job's arrival window, else the snapshot's), so the idle window
+    ``T`` is exponential and the scale-up pays when ``g x T > overhead``, with probability
+    ``P = exp(-r x overhead / g)``, which must exceed ``probabilityThreshold``. The overhead is
     *two* switches, ``2 x switch_seconds``: the window ends with the arrival that takes the
     GPUs back, and that scale-down pauses the job as long as this scale-up does. ``P`` and the
     gain both grow with throughput, so no smaller candidate passes where the chosen one fails.
     """
-    if not job.enabled or job.busy or job.scale_table is None:
+    if not job.enabled or job.busy or job.scale_table is None or reach <= job.workers:
         return None
     if job.last_scale_time is not None and now - job.last_scale_time < job.cooldown_seconds:
         return None
     rows = Rows.of(job.scale_table)
     here = rows.at_most(job.workers)
     first = bisect_right(rows.workers, job.workers)
-    last = rows.at_most(min(job.cap, job.workers + free.slots(job.gpus_per_worker, allowed)))
+    last = rows.at_most(reach)
     if here < 0 or last < first:
         return None
     window = job.arrival_window_seconds or window
-    last = _headroom(job, rows, first, last, free.idle, arrivals, now, window)
+    last = _headroom(job, rows, first, last, idle, arrivals, now, window)
     if last < first:
         return None
-    best = max(range(first, last + 1), key=lambda i: (rows.tps[i], -i))
+    # the most tokens/s, the fewest workers among equals
+    best = rows.tps.index(max(rows.tps[first:last + 1]), first)
     gain = rows.tps[best] / rows.tps[here] - 1
     if gain <= 0 or gain < job.min_gain:
         return None
@@ -341,8 +365,9 @@ def _offer(job: ElasticJob, free: FreeGPUs, allowed: frozenset[str] | None,
     if probability <= job.probability_threshold:
         return None
     per_gpu = gain / ((rows.workers[best] - job.workers) * job.gpus_per_worker)
-    return Offer(job=job, allowed=allowed, to_workers=rows.workers[best], gain=gain,
-                 per_gpu=per_gpu, probability=probability, rate=rate, overhead=overhead)
+    return Offer(job=job, allowed=allowed, reach=reach, idle=idle, to_workers=rows.workers[best],
+                 gain=gain, per_gpu=per_gpu, probability=probability, rate=rate,
+                 overhead=overhead)
 
 
 def _headroom(job: ElasticJob, rows: Rows, first: int, last: int, idle: int,

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tidal_sim.engine import DEFAULT_THRESHOLD, POLICIES, Outcome, compare, tradeoff
+from tidal_sim.compare import Outcome, compare, tradeoff
+from tidal_sim.engine import DEFAULT_THRESHOLD, POLICIES
 from tidal_sim.trace import (
     DEFAULT_LOAD, DEFAULT_SHARE, GPUS_PER_NODE, default_nodes, load_trace, mark_elastic,
 )

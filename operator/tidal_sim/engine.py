@@ -24,9 +24,10 @@ bench/reshard.py's 0.147 s for 49.4M parameters scaled up by state size with roo
 coordination; checkpoint-restart 60/120/240 s (bench/reshard.py measures 6.06 s, 41x the
 hot switch, for a model far smaller than FlexTrain's; save and load grow with state).
 
-At about 530 lines this module is over the house's 400 on purpose: ``Simulation`` is one clock
+At about 590 lines this module is over the house's 400 on purpose: ``Simulation`` is one clock
 over one state (nodes, queue, running jobs, pending switches), and each handler reads and moves
-all of it; split, the handlers would pass that state around or reach into each other's.
+all of it; split, the handlers would pass that state around or reach into each other's. The
+scale tables it reads, which need none of that state, live in :mod:`tidal_sim.tables`.
 """
 
 from __future__ import annotations
@@ -40,24 +41,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 
-from tidal_api import ScaleTable
 from tidal_api.spec import ScalingSpec
-from tidal_api.scale import ScaleRow
 from tidal_operator.capacity import FreeGPUs
-from tidal_operator.policy import decide, start_workers
+from tidal_operator.policy import Arrivals, decide, scale_up_offer, start_workers
 from tidal_plan.keepers import keepers_stay
+from tidal_sim.tables import TABLES_DIR, job_table, load_tables
 from tidal_sim.trace import GPUS_PER_NODE, TraceJob
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
 
 POLICIES = ("static", "greedy", "flextrain", "tidal")
+HOT_SWITCH_SECONDS = {"small": 2.0, "medium": 4.0, "large": 8.0}
+RESTART_SECONDS = {"small": 60.0, "medium": 120.0, "large": 240.0}
+RESTART_SAVE_FRACTION = 0.5  # a restart frees the GPUs it gives up once its checkpoint is saved
 # The Poisson rule's threshold: greedy has none, flextrain keeps its slides' 0.6, tidal the
 # spec's default (settable: SimConfig.threshold, for the trade-off of JCT against queue).
 THRESHOLDS = {"greedy": 0.0, "flextrain": 0.6}
 DEFAULT_THRESHOLD = ScalingSpec.model_fields["probability_threshold"].default
-HOT_SWITCH_SECONDS = {"small": 2.0, "medium": 4.0, "large": 8.0}
-RESTART_SECONDS = {"small": 60.0, "medium": 120.0, "large": 240.0}
-RESTART_SAVE_FRACTION = 0.5  # a restart frees the GPUs it gives up once its checkpoint is saved
-_TABLES = Path(__file__).resolve().parents[2] / "examples" / "scale-tables"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +77,7 @@ class SimConfig:
     threshold: float = DEFAULT_THRESHOLD  # tidal's probabilityThreshold
     # elastic jobs (not static's) may start with this fraction of their request (0: off)
     start_below: float = 0.0
-    tables_dir: Path = _TABLES
+    tables_dir: Path = TABLES_DIR
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -90,41 +89,6 @@ class SimConfig:
                 or not 0 <= self.start_below <= 1):
             raise ValueError("need nodes >= 1, tick_seconds > 0, jitter >= 0, pause_scale >= 0, "
                              "0 <= threshold < 1 and 0 <= start_below <= 1")
-
-
-def load_tables(config: SimConfig) -> dict[str, ScaleTable]:
-    return {size: ScaleTable.model_validate_json(
-        (config.tables_dir / f"flextrain-{size}-{config.elastic}.json").read_text())
-        for size in ("small", "medium", "large")}
-
-
-def job_table(table: ScaleTable, request: int, lowest: int | None = None) -> ScaleTable:
-    """``table``'s speedup curve over a job that asks for ``request`` 8-GPU workers.
-
-    The curve is a function of the scale factor (workers over the request), from 1 to the
-    table's ``max_workers / min_workers``: at ``w`` workers the job runs at the speedup of the
-    table's largest row whose factor is at most ``w / request`` (conservative: never more
-    than the table shows for that many GPUs per requested GPU). A job that may start below
-    its request (``lowest``) runs at ``w / request`` there: linear, a lower bound of the
-    tables' concave curves. Rows that gain nothing over a smaller count are left out;
-    tokens/s is the speedup, a step's seconds the table's first row's over it. Built
-    unvalidated: ``decide`` reads only rows' workers, tokens/s and step seconds.
-    """
-    low = table.min_workers
-    cap = request * table.max_workers // low
-    base = table.rows[0].step_seconds
-    rows, top = [], 0.0
-    for w in range(lowest or request, cap + 1):
-        # factor r.workers / low <= w / request, in integers
-        speedup = w / request if w < request else max(
-            r.speedup for r in table.rows if r.workers * request <= w * low)
-        if speedup > top:
-            top = speedup
-            rows.append(ScaleRow.model_construct(workers=w, tokens_per_second=speedup,
-                                                 speedup=speedup, step_seconds=base / speedup))
-    return ScaleTable.model_construct(job=table.job, min_workers=lowest or request,
-                                      max_workers=rows[-1].workers,
-                                      gpus_per_worker=GPUS_PER_NODE, rows=tuple(rows))
 
 
 @dataclass(slots=True)
@@ -143,7 +107,8 @@ class _Job:
     switch_at: float = 0.0  # the step boundary the newest switch starts at
     before: int = 0  # the workers that train until then
     end_at: float | None = None  # the one live "end" event of an elastic job
-    pending: tuple[Pod, ...] = ()  # its pods as decide sees them while it queues
+    pending: tuple[Pod, ...] = ()  # see waiting()
+    sizes: list[int] = field(default_factory=list)  # its pods' GPUs, largest first (_arrive)
     lowest: int | None = None  # start below its request: the fewest workers it runs with
     count: int = 0  # ... and the workers it starts with (what was free at its arrival)
 
@@ -151,17 +116,22 @@ class _Job:
     def key(self) -> str:
         return self.trace.job_id
 
-    @property
-    def gpus(self) -> int:
-        """The GPUs it starts with."""
-        return self.count * GPUS_PER_NODE if self.count else self.trace.gpus
-
     def pod_sizes(self) -> list[int]:
         if self.count:
             return [GPUS_PER_NODE] * self.count
         g = self.trace.gpus
         rest = g % GPUS_PER_NODE
         return [GPUS_PER_NODE] * (g // GPUS_PER_NODE) + ([rest] if rest else [])
+
+    def waiting(self) -> tuple[Pod, ...]:
+        """Its pods as decide sees them while it queues; made when a snapshot first needs
+        them (most jobs start as they arrive, unseen)."""
+        if not self.pending:
+            self.pending = tuple(Pod(f"{self.key}/{i}", size, None, "Pending",
+                                     self.key if self.trace.size else None,
+                                     created=self.trace.submit)
+                                 for i, size in enumerate(self.sizes))
+        return self.pending
 
 
 class Simulation:
@@ -174,7 +144,10 @@ class Simulation:
                  progress: Callable[[float], None] | None = None) -> None:
         self.config = config
         self.free = {f"node-{i:04d}": GPUS_PER_NODE for i in range(config.nodes)}
+        # nodes by free GPUs (index 0..8), kept with ``free``: cheap tests of what could fit
+        self.nodes_with = [0] * GPUS_PER_NODE + [config.nodes]
         self.nodes = tuple(Node(n, GPUS_PER_NODE) for n in self.free)
+        self.names = sorted(self.free)  # best fit's order among nodes with as many GPUs free
         self.capacity = GPUS_PER_NODE * config.nodes
         too_big = [j.job_id for j in jobs if j.gpus > self.capacity]
         if too_big:
@@ -185,7 +158,9 @@ class Simulation:
         self.progress = progress
         self.jobs = [_Job(j) for j in jobs]
         self.queue: list[_Job] = []
+        self.tried = 0  # the queued jobs known not to fit (_start_fitting)
         self.running: dict[str, _Job] = {}
+        self.elastic: dict[str, _Job] = {}  # the running elastic jobs, in start order
         self.arrivals: deque[tuple[float, int]] = deque()  # (time, GPUs)
         self.events: list[tuple[float, int, str, str]] = []
         self.seq = 0
@@ -232,7 +207,7 @@ class Simulation:
                 elif kind == "tick":
                     self.push(at + self.config.tick_seconds, "tick")
             self._start_fitting()
-            if elastic:
+            if elastic and self._may_decide():
                 self._apply(decide(self._snapshot(), self.now))
                 self._start_fitting()
             self._schedule_ends()
@@ -252,9 +227,8 @@ class Simulation:
         dt = at - self.last
         if dt > 0:
             self.busy_gpu_seconds += dt * self.held
-            for job in self.running.values():
-                if job.spec is not None:
-                    job.work -= dt * self._rate(job)
+            for job in self.elastic.values():
+                job.work -= dt * self._rate(job)
         self.now = self.last = at
 
     def _rate(self, job: _Job) -> float:
@@ -277,9 +251,7 @@ class Simulation:
             self.arrivals.append((job.trace.submit, job.trace.gpus))
         elif self.config.start_below > 0 and self.config.policy != "static":
             self._start_below(job)
-        job.pending = tuple(Pod(f"{job.key}/{i}", size, None, "Pending",
-                                job.key if job.trace.size else None, created=job.trace.submit)
-                            for i, size in enumerate(job.pod_sizes()))
+        job.sizes = job.pod_sizes()
         if job.trace.size:  # as the operator sees a new job: no member yet, below its minimum
             m = job.count or job.trace.gpus // GPUS_PER_NODE
             job.spec = ElasticJob(key=job.key, min_workers=m, max_workers=m, workers=0,
@@ -292,20 +264,27 @@ class Simulation:
             self._give(pod)
         job.pods = []
         del self.running[job.key]
+        self.elastic.pop(job.key, None)
         self.finished += 1
 
     def _take(self, pod: Pod) -> None:
-        self.free[pod.node] -= pod.gpus
+        self._move(pod.node, -pod.gpus)
         self.held += pod.gpus
 
     def _give(self, pod: Pod) -> None:
-        self.free[pod.node] += pod.gpus
+        self._move(pod.node, pod.gpus)
         self.held -= pod.gpus
+        self.tried = 0  # GPUs came back: every queued job may fit (_start_fitting)
+
+    def _move(self, node: str, gpus: int) -> None:
+        """Add ``gpus`` (negative: take them) to ``node``'s free GPUs, and to its count."""
+        old = self.free[node]
+        self.free[node] = old + gpus
+        self.nodes_with[old] -= 1
+        self.nodes_with[old + gpus] += 1
 
     def _schedule_ends(self) -> None:
-        for job in self.running.values():
-            if job.spec is None:
-                continue
+        for job in self.elastic.values():
             at = self._end_time(job)
             if at != job.end_at:
                 job.end_at = at
@@ -324,30 +303,55 @@ class Simulation:
 
     # --- placement ----------------------------------------------------------------------
     def _place(self, sizes: list[int]) -> list[str] | None:
-        """Best-fit nodes for pods of ``sizes`` (largest first), or None if they do not all fit."""
+        """Best-fit nodes for pods of ``sizes`` (largest first), or None if they do not all
+        fit: each on a node with the fewest free GPUs that hold it, the first by name."""
+        amounts = self._best_fit(sizes)
+        if amounts is None:
+            return None
         free = dict(self.free)
         chosen = []
-        for size in sizes:
-            fits = [(g, n) for n, g in free.items() if g >= size]
-            if not fits:
-                return None
-            _, node = min(fits)
+        for size, amount in zip(sizes, amounts, strict=True):
+            node = next(n for n in self.names if free[n] == amount)
             free[node] -= size
             chosen.append(node)
         return chosen
 
+    def _best_fit(self, sizes: list[int]) -> list[int] | None:
+        """The free GPUs of the node best fit puts each pod of ``sizes`` on, or None if they do
+        not all fit, from the count of nodes by free GPUs alone: best fit chooses by free GPUs
+        (the name only breaks ties among equals)."""
+        count = self.nodes_with[:]
+        amounts = []
+        for size in sizes:
+            for amount in range(size, GPUS_PER_NODE + 1):
+                if count[amount]:
+                    break
+            else:
+                return None
+            count[amount] -= 1
+            count[amount - size] += 1
+            amounts.append(amount)
+        return amounts
+
     def _start_fitting(self) -> None:
-        waiting = []
-        for job in self.queue:
+        """Start the queued jobs that fit, in queue order (backfill).
+
+        The first ``self.tried`` failed to fit when last tried and no GPUs came back since,
+        so they fail again: a job's pods are whole-node pods and one smaller, and fewer free
+        GPUs leave no more whole free nodes and no node holding the smaller pod that was not
+        there, or a whole free node, before. Only the jobs after them are tried."""
+        waiting = self.queue[:self.tried]
+        for job in self.queue[self.tried:]:
             nodes = None
-            if job.gpus <= self.capacity - self.held:  # else it cannot fit: skip the search
-                sizes = job.pod_sizes()
-                nodes = self._place(sizes)
+            # the GPUs free in all first: most queued jobs fail there, at no cost
+            if sum(job.sizes) <= self.capacity - self.held:
+                nodes = self._place(job.sizes)
             if nodes is None:
                 waiting.append(job)
                 continue
-            self._start(job, sizes, nodes)
+            self._start(job, job.sizes, nodes)
         self.queue = waiting
+        self.tried = len(waiting)
 
     def _start(self, job: _Job, sizes: list[int], nodes: list[str]) -> None:
         job.start = self.now
@@ -361,6 +365,7 @@ class Simulation:
         if job.trace.size is None:
             self.push(self.now + job.trace.duration, "end", job.key)
             return
+        self.elastic[job.key] = job
         request = job.trace.gpus // GPUS_PER_NODE
         m = job.count or request
         table = job_table(self.tables[job.trace.size], request, job.lowest)
@@ -383,7 +388,7 @@ class Simulation:
     def _start_below(self, job: _Job) -> None:
         """A job that may start below its request (``--start-below F``): its fewest workers
         ``F`` of it (at least one), its first workers what is free at its arrival, between
-        those and the request (one per free node, as ``decide``'s placement counts them)."""
+        those and the request, by ``decide``'s own start rule."""
         request = job.trace.gpus // GPUS_PER_NODE
         job.lowest = max(1, math.ceil(self.config.start_below * request))
         asks = ElasticJob(key=job.key, min_workers=job.lowest, max_workers=request,
@@ -396,21 +401,68 @@ class Simulation:
         return self.config.pause_scale * table[job.trace.size]
 
     # --- the policy ---------------------------------------------------------------------
-    def _snapshot(self) -> Snapshot:
+    def _may_decide(self) -> bool:
+        """False only where ``decide`` on :meth:`_snapshot` provably returns no decision, so
+        the call (most of a run's time) is skipped; nothing else changes in between.
+
+        The proof, step by step of ``decide``. The snapshot's queued jobs are busy with no
+        worker, and their pods are its only unbound pods, each pending (a non-elastic pod, or
+        a job's below its minimum): so no joiner waits, and pods are pending exactly when the
+        queue is not empty. Its running jobs are ``self.elastic``'s, busy while paused. Then:
+        ``_restore`` acts only on a job below its minimum, ``_drop_stragglers`` on one with
+        stragglers (``slow``), both checked here. With pods pending, ``make_room`` shrinks only
+        a job that is not busy and above its minimum. With none, ``_scale_up`` places only the
+        offers that :func:`~tidal_operator.policy.scale_up_offer` prices on the idle GPUs of
+        the snapshot (every node may take every pod here), which it prices here the same way:
+        the job as the snapshot has it (not busy), its reach (its cap, and as many more
+        workers as fit on the free GPUs, each on one node: ``FreeGPUs.slots``), the arrivals
+        in the window with their GPUs, and the GPUs idle (the headroom's).
+        """
+        arrivals = None
+        for job in self.elastic.values():
+            spec = job.spec
+            if spec.workers < spec.min_workers or spec.slow:
+                return True
+            if job.paused_until > self.now:  # busy
+                continue
+            if self.queue:
+                if spec.workers > spec.min_workers:
+                    return True
+                continue
+            if arrivals is None:
+                recent = self._recent_arrivals()
+                arrivals = Arrivals([t for t, _ in recent], [g for _, g in recent])
+            reach = min(spec.cap, spec.workers + self._slots(spec.gpus_per_worker))
+            if scale_up_offer(spec, reach, self.capacity - self.held, None, arrivals,
+                              self.config.window_seconds, self.now) is not None:
+                return True
+        return False
+
+    def _slots(self, size: int) -> int:
+        """How many pods of ``size`` GPUs fit on the free GPUs, each on one node."""
+        if size == GPUS_PER_NODE:  # every elastic worker: the whole free nodes
+            return self.nodes_with[GPUS_PER_NODE]
+        return sum(count * (amount // size)
+                   for amount, count in enumerate(self.nodes_with) if amount >= size)
+
+    def _recent_arrivals(self) -> deque[tuple[float, int]]:
+        """The non-elastic arrivals within the window before now: (time, GPUs)."""
         while self.arrivals and self.arrivals[0][0] < self.now - self.config.window_seconds:
             self.arrivals.popleft()
+        return self.arrivals
+
+    def _snapshot(self) -> Snapshot:
         pods = [p for job in self.running.values() for p in job.pods]
         for job in self.queue:
-            pods += job.pending
+            pods += job.waiting()
         jobs = []
-        for job in self.running.values():
-            if job.spec is not None:
-                busy = job.paused_until > self.now
-                jobs.append(job.spec if busy == job.spec.busy else replace(job.spec, busy=busy))
+        for job in self.elastic.values():
+            busy = job.paused_until > self.now
+            jobs.append(job.spec if busy == job.spec.busy else replace(job.spec, busy=busy))
         jobs += [job.spec for job in self.queue if job.spec is not None]  # (see _arrive)
-        return Snapshot(self.nodes, tuple(pods), tuple(jobs),
-                        tuple(t for t, _ in self.arrivals), self.config.window_seconds,
-                        tuple(g for _, g in self.arrivals))
+        recent = self._recent_arrivals()
+        return Snapshot(self.nodes, tuple(pods), tuple(jobs), tuple(t for t, _ in recent),
+                        self.config.window_seconds, tuple(g for _, g in recent))
 
     def _apply(self, decisions) -> None:
         for d in decisions:
@@ -523,62 +575,3 @@ def _quantile(values: list[float], q: float) -> float:
 def simulate(jobs: list[TraceJob], config: SimConfig) -> dict:
     """Run ``config.policy`` over ``jobs``; the report dict of :meth:`Simulation.report`."""
     return Simulation(jobs, config).run()
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One policy's run: its report (with the ratios to static) and the series behind it."""
-
-    report: dict
-    jct_s: list[float]  # elastic jobs' completion times, sorted
-    queue_s: list[float]  # non-elastic jobs' queue times, sorted
-    timeline: tuple[list[float], list[int]]  # (time since the first submission, GPUs held)
-    ceiling_speedup: float | None = None  # static's only: Simulation.ceiling_speedup
-
-
-def compare(jobs: list[TraceJob], nodes: int, policies=POLICIES,
-            progress: Callable[[str, float], None] | None = None,
-            **options) -> dict[str, Outcome]:
-    """``static`` and every policy over ``jobs``, static's figures the baseline of the ratios.
-
-    ``jct_speedup`` is static's mean elastic JCT over the policy's; ``queue_ratio`` is the
-    policy's mean non-elastic queue time over static's (None where static's is 0 and the
-    policy's is not: no finite ratio). ``progress(policy, fraction)`` follows each run;
-    ``options`` are :class:`SimConfig`'s (``elastic``, ``seed``, ``pause_scale``, ...).
-    """
-    first = min((j.submit for j in jobs), default=0.0)
-    out: dict[str, Outcome] = {}
-    for name in dict.fromkeys(("static", *policies)):
-        hook = None if progress is None else (lambda f, name=name: progress(name, f))
-        sim = Simulation(jobs, SimConfig(policy=name, nodes=nodes, **options), progress=hook)
-        report = sim.run()
-        times, held = sim.timeline
-        out[name] = Outcome(report, sim.jct_seconds(), sim.queue_seconds(),
-                            ([t - first for t in times], held),
-                            sim.ceiling_speedup() if name == "static" else None)
-    base = out["static"].report
-    for outcome in out.values():
-        _ratios(outcome.report, base)
-    return out
-
-
-def tradeoff(jobs: list[TraceJob], nodes: int, thresholds: list[float], static: dict,
-             **options) -> list[dict]:
-    """tidal's elastic JCT speedup and non-elastic queue ratio (over ``static``'s report) at
-    each of ``thresholds``, the Poisson rule's and the headroom rule's ``probabilityThreshold``:
-    the price in queueing of each step towards faster elastic jobs."""
-    out = []
-    for threshold in thresholds:
-        report = Simulation(jobs, SimConfig(policy="tidal", nodes=nodes, threshold=threshold,
-                                            **options)).run()
-        _ratios(report, static)
-        out.append({"threshold": threshold, "jct_speedup": report["jct_speedup"],
-                    "queue_ratio": report["queue_ratio"]})
-    return out
-
-
-def _ratios(report: dict, base: dict) -> None:
-    report["jct_speedup"] = (base["elastic_jct_mean_s"] / report["elastic_jct_mean_s"]
-                             if report["elastic_jct_mean_s"] else 1.0)
-    report["queue_ratio"] = (report["queue_mean_s"] / base["queue_mean_s"] if base["queue_mean_s"]
-                             else 1.0 if report["queue_mean_s"] == 0 else None)

@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tidal_sim.engine import Outcome  # noqa: E402
+from tidal_sim.compare import Outcome  # noqa: E402
 
 _DAY = 86400.0
 

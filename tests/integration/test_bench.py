@@ -98,3 +98,16 @@ def test_sim_bench_runs_with_either_cluster_size(tmp_path):
     assert "| 0.99 | " in text  # the trade-off table
     assert text.startswith("head\n<!-- sim:begin -->\n#### PP-only") and text.endswith("tail\n")
     assert "| cluster04 | 128 (1024) | 1 of 3 |" in text
+
+
+def test_decide_bench_reports_each_size_against_the_target():
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "decide.py"), "--tiny",
+                             "--repeat", "2"], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    (tiny,) = report["sizes"].values()
+    assert tiny["size"]["nodes"] == 12 and tiny["target_ms"] == report["target_ms"] == 50.0
+    assert set(tiny["scenarios"]) == {"scale_up", "scale_down"}
+    assert report["median_ms"] == tiny["median_ms"] == max(
+        s["median_ms"] for s in tiny["scenarios"].values())

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal_operator.policy import decide
 from tidal_plan.keepers import keepers_stay
 from tidal_sim import SimConfig, TraceJob, default_nodes, mark_elastic, simulate
-from tidal_sim.engine import (
-    GPUS_PER_NODE, Simulation, compare, job_table, load_tables, tradeoff,
-)
+from tidal_sim.compare import compare, tradeoff
+from tidal_sim.engine import GPUS_PER_NODE, Simulation, job_table, load_tables
 
 
 def job(i: int, submit: float, duration: float, gpus: int, size: str | None = None) -> TraceJob:
@@ -215,6 +216,10 @@ def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, 
 
     def check(s: Simulation) -> None:
         assert all(0 <= f <= GPUS_PER_NODE for f in s.free.values())
+        frees = list(s.free.values())
+        assert s.nodes_with == [frees.count(a) for a in range(GPUS_PER_NODE + 1)]
+        if not s._may_decide():  # its proof, checked: decide would decide nothing
+            assert decide(s._snapshot(), s.now) == ()
         held = sum(p.gpus for j in s.running.values() for p in j.pods)
         assert held == s.held and held + sum(s.free.values()) == GPUS_PER_NODE * nodes
         for j in s.running.values():
@@ -228,6 +233,29 @@ def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, 
     assert all(j.end is not None and j.end >= j.trace.submit for j in sim.jobs)
     assert not sim.running and not sim.queue
     assert simulate(jobs, config) == first
+
+
+@pytest.mark.parametrize("policy", ["greedy", "flextrain", "tidal"])
+def test_decide_is_skipped_only_where_it_decides_nothing(policy, monkeypatch):
+    """A busy trace (queues, idle spells, scale-ups and downs): wherever the run skips
+    ``decide``, ``decide`` on the same state returns no decision, and the runs still decide."""
+    rng = random.Random(0)
+    jobs = mark_elastic(sorted((job(i, rng.uniform(0, 100000), rng.uniform(100, 20000),
+                                    rng.choice([1, 2, 4, 8, 8, 16]))
+                                for i in range(200)), key=lambda j: (j.submit, j.job_id)),
+                        share=0.4)
+    may_decide, skipped = Simulation._may_decide, []
+
+    def checked(sim: Simulation) -> bool:
+        may = may_decide(sim)
+        if not may:
+            assert decide(sim._snapshot(), sim.now) == ()
+            skipped.append(sim.now)
+        return may
+
+    monkeypatch.setattr(Simulation, "_may_decide", checked)
+    report = simulate(jobs, SimConfig(policy=policy, nodes=10, tick_seconds=300))
+    assert skipped and report["scale_ups"] > 1 and report["scale_downs"] > 1
 
 
 def test_sim_command_writes_the_report(tmp_path):
