@@ -27,7 +27,8 @@ GPUs, 128 for cluster04/07/08/09, 32 for the others).
 geometric-mean JCT speedup and worst queue ratio at each, the trade-off between the two;
 ``--start-below F`` lets elastic jobs start with ``F`` of their request where no more is free.
 
-``--out DIR`` also writes each run's report and plots under ``DIR/<trace>-<tables>/``;
+``--out DIR`` also writes each run's report and plots under ``DIR/<trace>-<tables>/`` (and
+with ``--tradeoff`` the curve, ``DIR/tradeoff.png``);
 ``--doc FILE`` puts the Markdown tables into FILE between its ``<!-- sim:begin -->`` and
 ``<!-- sim:end -->`` lines (``--section NAME`` for another pair; docs/simulator.md is kept
 that way).
@@ -51,7 +52,7 @@ from tidal_sim.cli import print_table, run_trace  # noqa: E402
 from tidal_sim.compare import tradeoff  # noqa: E402
 from tidal_sim.engine import DEFAULT_THRESHOLD, POLICIES  # noqa: E402
 from tidal_sim.trace import load_trace, mark_elastic  # noqa: E402
-from tidal_sim.plots import write_plots  # noqa: E402
+from tidal_sim.plots import write_plots, write_tradeoff  # noqa: E402
 from tidal_sim.trace import DEFAULT_LOAD, DEFAULT_SHARE  # noqa: E402
 
 TARGETS = {"pp": 1.55, "dp-pp": 2.27}  # FlexTrain's geometric-mean elastic JCT speedups
@@ -183,6 +184,8 @@ def main() -> None:
         summary[elastic]["tradeoff"] = [
             {"threshold": t} | summarise([r["tradeoff"][i] for r in runs])
             for i, t in enumerate(thresholds)]
+    if args.out is not None and thresholds:
+        write_tradeoff({e: summary[e]["tradeoff"] for e in ELASTIC}, args.out / "tradeoff.png")
     largest = max(traces, key=lambda t: t.stat().st_size)
     out = {
         "benchmark": "sim", "seed": args.seed, "load": args.load, "share": args.share,

@@ -214,17 +214,33 @@ def arrival_rate(arrivals: list[float], now: float, window: float) -> float:
 
 
 class Arrivals:
-    """The snapshot's non-elastic arrivals in time order, with their GPUs: the Poisson rule's
-    rate, and the rate of those that would not fit in what a scale-up leaves free."""
+    """Non-elastic arrivals in time order, with their GPUs: the Poisson rule's rate, and the
+    rate of those that would not fit in what a scale-up leaves free."""
 
-    __slots__ = ("times", "_gpus", "_sizes")
+    __slots__ = ("times", "gpus", "_sizes")
 
-    def __init__(self, times: Sequence[float], gpus: Sequence[int] = ()) -> None:
-        gpus = gpus or (1,) * len(times)  # unknown: the least a GPU pod asks for
-        pairs = sorted(zip(times, gpus, strict=True))
-        self.times = [t for t, _ in pairs]
-        self._gpus = [g for _, g in pairs]
-        self._sizes: dict[tuple[float, float], list[float]] = {}
+    def __init__(self, times: Sequence[float], gpus: Sequence[int] = (), *,
+                 ordered: bool = False) -> None:
+        """``gpus`` empty: unknown, each the least a GPU pod asks for (one). ``ordered``: the
+        times are sorted already, and the lists are kept as they are (and may grow)."""
+        gpus = gpus or [1] * len(times)
+        if ordered:
+            self.times, self.gpus = times, gpus
+        else:
+            pairs = sorted(zip(times, gpus, strict=True))
+            self.times, self.gpus = [t for t, _ in pairs], [g for _, g in pairs]
+        self._sizes: dict[tuple[float, float], list[int]] = {}
+
+    def append(self, time: float, gpus: int) -> None:
+        """One more arrival, no earlier than the others."""
+        self.times.append(time)
+        self.gpus.append(gpus)
+        self._sizes.clear()
+
+    def within(self, now: float, window: float) -> tuple[Sequence[float], Sequence[int]]:
+        """The times and GPUs of the arrivals over ``[now - window, now]``."""
+        first, end = bisect_left(self.times, now - window), bisect_right(self.times, now)
+        return self.times[first:end], self.gpus[first:end]
 
     def rate(self, now: float, window: float) -> float:
         return arrival_rate(self.times, now, window)
@@ -234,11 +250,11 @@ class Arrivals:
         ``left`` of them would not: more than ``left`` GPUs, at most ``idle``."""
         key = (now, window)
         if key not in self._sizes:
-            first, end = bisect_left(self.times, now - window), bisect_right(self.times, now)
-            self._sizes[key] = sorted(self._gpus[first:end])
+            if len(self._sizes) > 64:  # a long-lived one (the simulator's) moves on in time
+                self._sizes.clear()
+            self._sizes[key] = sorted(self.within(now, window)[1])
         sizes = self._sizes[key]
         return (bisect_right(sizes, idle) - bisect_right(sizes, left)) / window
-
 
 
 def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,

@@ -36,7 +36,6 @@ import heapq
 import math
 import random
 from collections.abc import Callable
-from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
@@ -161,7 +160,9 @@ class Simulation:
         self.tried = 0  # the queued jobs known not to fit (_start_fitting)
         self.running: dict[str, _Job] = {}
         self.elastic: dict[str, _Job] = {}  # the running elastic jobs, in start order
-        self.arrivals: deque[tuple[float, int]] = deque()  # (time, GPUs)
+        # the non-elastic arrivals so far, in time order, with their GPUs (Arrivals reads its
+        # window of them by bisection, so they are never trimmed)
+        self.arrivals = Arrivals([], [], ordered=True)
         self.events: list[tuple[float, int, str, str]] = []
         self.seq = 0
         self.now = 0.0
@@ -248,7 +249,7 @@ class Simulation:
 
     def _arrive(self, job: _Job) -> None:
         if job.trace.size is None:
-            self.arrivals.append((job.trace.submit, job.trace.gpus))
+            self.arrivals.append(job.trace.submit, job.trace.gpus)
         elif self.config.start_below > 0 and self.config.policy != "static":
             self._start_below(job)
         job.sizes = job.pod_sizes()
@@ -418,7 +419,6 @@ class Simulation:
         workers as fit on the free GPUs, each on one node: ``FreeGPUs.slots``), the arrivals
         in the window with their GPUs, and the GPUs idle (the headroom's).
         """
-        arrivals = None
         for job in self.elastic.values():
             spec = job.spec
             if spec.workers < spec.min_workers or spec.slow:
@@ -429,11 +429,8 @@ class Simulation:
                 if spec.workers > spec.min_workers:
                     return True
                 continue
-            if arrivals is None:
-                recent = self._recent_arrivals()
-                arrivals = Arrivals([t for t, _ in recent], [g for _, g in recent])
             reach = min(spec.cap, spec.workers + self._slots(spec.gpus_per_worker))
-            if scale_up_offer(spec, reach, self.capacity - self.held, None, arrivals,
+            if scale_up_offer(spec, reach, self.capacity - self.held, None, self.arrivals,
                               self.config.window_seconds, self.now) is not None:
                 return True
         return False
@@ -445,12 +442,6 @@ class Simulation:
         return sum(count * (amount // size)
                    for amount, count in enumerate(self.nodes_with) if amount >= size)
 
-    def _recent_arrivals(self) -> deque[tuple[float, int]]:
-        """The non-elastic arrivals within the window before now: (time, GPUs)."""
-        while self.arrivals and self.arrivals[0][0] < self.now - self.config.window_seconds:
-            self.arrivals.popleft()
-        return self.arrivals
-
     def _snapshot(self) -> Snapshot:
         pods = [p for job in self.running.values() for p in job.pods]
         for job in self.queue:
@@ -460,9 +451,9 @@ class Simulation:
             busy = job.paused_until > self.now
             jobs.append(job.spec if busy == job.spec.busy else replace(job.spec, busy=busy))
         jobs += [job.spec for job in self.queue if job.spec is not None]  # (see _arrive)
-        recent = self._recent_arrivals()
-        return Snapshot(self.nodes, tuple(pods), tuple(jobs), tuple(t for t, _ in recent),
-                        self.config.window_seconds, tuple(g for _, g in recent))
+        times, gpus = self.arrivals.within(self.now, self.config.window_seconds)
+        return Snapshot(self.nodes, tuple(pods), tuple(jobs), tuple(times),
+                        self.config.window_seconds, tuple(gpus))
 
     def _apply(self, decisions) -> None:
         for d in decisions:

@@ -3,7 +3,9 @@
 - ``normalised.png``: mean elastic JCT and mean non-elastic queue time per policy, each over
   static's (static is 1; lower is better);
 - ``queue_cdf.png``: the distribution of non-elastic queue times per policy;
-- ``gpus.png``: GPUs allocated and idle over the trace, one panel per policy.
+- ``gpus.png``: GPUs allocated and idle over the trace, one panel per policy;
+- ``tradeoff.png`` (:func:`write_tradeoff`): tidal's geometric-mean JCT speedup against its
+  worst queue ratio over the traces, one point per threshold.
 """
 
 from __future__ import annotations
@@ -73,3 +75,26 @@ def write_plots(runs: dict[str, Outcome], gpus: int, out_dir: Path, title: str) 
     fig.savefig(paths[2], dpi=100)
     plt.close(fig)
     return paths
+
+
+def write_tradeoff(curves: dict[str, list[dict]], path: Path) -> Path:
+    """``curves``: per kind of table, bench/sim.py's trade-off summary (threshold, geometric
+    mean JCT speedup, worst queue ratio, in threshold order); one line each."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    for i, (kind, points) in enumerate(curves.items()):
+        shown = [p for p in points if p["queue_ratio_worst"] is not None]
+        xs = [p["queue_ratio_worst"] for p in shown]
+        ys = [p["jct_speedup_geomean"] for p in shown]
+        ax.plot(xs, ys, marker="o", color=f"C{i}", label=kind)
+        for p, x, y in zip(shown, xs, ys, strict=True):
+            ax.annotate(f"{p['threshold']:g}", (x, y), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+    ax.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("worst non-elastic queue ratio over the traces (static = 1)")
+    ax.set_ylabel("geometric-mean elastic JCT speedup")
+    ax.legend(title="scale tables")
+    ax.set_title("tidal over the threshold: elastic JCT against queue")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
