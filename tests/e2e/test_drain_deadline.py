@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "default"
 # Every test's last event comes by step 70 here (a replacement's generation, at 62-67); the
 # job trains on after it, and one static run of this length serves every test's bitwise check.
-STEPS = 150
+STEPS = 100
 
 
 def _until(check, timeout_s: float, what: str, cluster: LocalCluster):
