@@ -30,7 +30,8 @@ from tidal_agent.trainer import Trainer
 from tidal_api.layout import Layout
 from tidal_api.spec import StragglerSpec
 from tidal_plan.elastic import share_unit
-from tidal_plan.stragglers import StragglerDetector, drop_beats_keeping, replan_layout
+from tidal_plan.stragglers import (StragglerDetector, drop_beats_keeping, pipeline_rank_speeds,
+                                   replan_layout)
 
 log = logging.getLogger("tidal.agent")
 
@@ -127,16 +128,12 @@ class StragglerWatch:
             return None
         return self._replan(step)
 
-    def _rank_speeds(self, layout: Layout) -> tuple[dict[str, float], list[float]]:
-        """Each member's speed (the stragglers' measured, the others' 1) and each pipeline
-        rank's, at its slowest replica's pace (replicas share the partition)."""
+    def _planned_speeds(self) -> list[float]:
+        """Each member's speed in world-rank order: the stragglers' measured, the others' 1."""
         # Only stragglers are planned around: a difference under the factor is the load's
         # pattern as much as the rank's (a rank that waits more finds its caches colder).
         flagged = self.detector.flagged
-        speeds = {m: self.detector.speed(m) if m in flagged else 1.0 for m in self.members}
-        rank_speeds = [min(speeds[self.members[r * layout.pp + p]] for r in range(layout.dp))
-                       for p in range(layout.pp)]
-        return speeds, rank_speeds
+        return [self.detector.speed(m) if m in flagged else 1.0 for m in self.members]
 
     def _better_without(self, member: str) -> bool:
         """Whether the operator should release ``member``: it is not the leader (which hosts
@@ -145,16 +142,16 @@ class StragglerWatch:
         layout = self.trainer.layout
         if not self.drops or member == self.members[0] or layout.dp != 1:
             return False
-        _, rank_speeds = self._rank_speeds(layout)
+        rank_speeds = pipeline_rank_speeds(layout, self._planned_speeds())
         return drop_beats_keeping(layout, self.unit_seconds, rank_speeds,
                                   self.members.index(member), self.spec.min_gain)
 
     def _replan(self, step: int) -> Layout | None:
         layout, spec = self.trainer.layout, self.trainer.spec
-        speeds, _ = self._rank_speeds(layout)
+        planned = self._planned_speeds()
         layers = range(1, spec.model.layers + 1)
-        plan = replan_layout(layout, self.unit_seconds, [speeds[m] for m in self.members],
-                             layers, share_unit(spec, layout))
+        plan = replan_layout(layout, self.unit_seconds, planned, layers, share_unit(spec, layout))
+        speeds = dict(zip(self.members, planned, strict=True))
         new = plan.layout
         if new == layout or plan.gain < self.spec.min_gain:
             return None

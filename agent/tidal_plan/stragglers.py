@@ -97,6 +97,13 @@ class StragglerDetector:
         return statistics.median(seen) if seen else 1.0
 
 
+def pipeline_rank_speeds(layout: Layout, speeds: Sequence[float]) -> list[float]:
+    """Each pipeline rank's speed from every world rank's (``speeds``): its slowest replica's,
+    since the replicas share the partition."""
+    pp = layout.pp
+    return [min(speeds[r * pp + p] for r in range(layout.dp)) for p in range(pp)]
+
+
 def stage_speeds(layout: Layout, rank_speeds: Sequence[float]) -> list[float]:
     """Each stage's speed: that of the pipeline rank that runs it."""
     return [rank_speeds[layout.stage_rank(s)] for s in range(layout.num_stages)]
@@ -238,8 +245,7 @@ def replan_layout(layout: Layout, unit_seconds: Sequence[float], speeds: Sequenc
     where nothing is faster)."""
     if len(speeds) != layout.world_size:
         raise ValueError(f"{len(speeds)} speeds for a layout of {layout.world_size} ranks")
-    pp = layout.pp
-    rank_speeds = [min(speeds[r * pp + p] for r in range(layout.dp)) for p in range(pp)]
+    rank_speeds = pipeline_rank_speeds(layout, speeds)
     candidates = [layout]
     partitioned = replan_partition(layout, unit_seconds, rank_speeds, layers)
     if partitioned is not None:

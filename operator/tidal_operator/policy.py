@@ -16,7 +16,10 @@ a kept scale-table row, never below its minimum, never releasing its leader. The
 an outstanding target already releases count as free, so a pod waiting for a drain does not
 cost a second job.
 
-**Restore** first (see :func:`_restore`): a job that a fault left below its minimum gets new
+**Start** first (see :func:`_start`): a new job (no target yet) gets its preferred count of
+workers where they fit on free GPUs, else what fits, never below its minimum.
+
+**Restore** first too (see :func:`_restore`): a job that a fault left below its minimum gets new
 workers back to it, whatever else is pending, idle or due: the minimum is what the job was
 admitted with, and the GPUs of its lost pods were its own. New workers that find no free GPUs
 are pending pods like any other: the scale-down makes room for them.
@@ -26,7 +29,8 @@ pending: a scale-down releasing it, by the scale-down's rules.
 
 **Scale up** only when no pod is pending, GPUs are idle and no elastic worker pod waits for a
 node (GPUs promised to a joiner are not counted twice), first to the job whose completion time
-gains most per GPU; see :func:`_scale_up`.
+gains most per GPU, leaving the last free GPUs where an arrival that needs them is likely
+within the release latency (the headroom); see :func:`_scale_up` and :func:`_headroom`.
 
 Both count only the nodes a pod may run on (:class:`~tidal_operator.snapshot.Placement`: its
 node selector, and tolerations for the nodes' NoSchedule and NoExecute taints): a job's new
