@@ -254,7 +254,7 @@ def _run_record(job: str, source: ControlledGenerations, report: AgentReport) ->
         "layout": source.layout(source.current).to_dict(), "generations": report.generations,
         "steps": report.steps, "reconfigurations": report.reconfigurations,
         "recoveries": report.recoveries, "stragglers": report.stragglers,
-        "replans": report.replans,
+        "replans": report.replans, "profiles": report.profiled,
         "accuracy": profile_accuracy(report.profiled, report.steps),
     }
 
