@@ -171,9 +171,11 @@ class Recovered:
     members: tuple[str, ...]
     layout: Layout
     pause_s: float  # the failure to training again
+    swapping: bool = False  # the leader's peer snapshot swap was under way at the failure
 
     def record(self) -> dict[str, Any]:
         return {"failed_at": self.failed_at, "resumed_at": self.resumed_at,
+                "swapping": self.swapping,
                 "snapshot": self.snapshot, "checkpoint": self.checkpoint,
                 "lost": list(self.lost), "left": list(self.left),
                 "generation": self.generation, "members": list(self.members),

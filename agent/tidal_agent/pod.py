@@ -167,7 +167,8 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     opts = WorkerOptions(
         rendezvous=rendezvous, steps=steps, threads=threads,
         checkpoint_root=spec.checkpoint.path, checkpoint_every=spec.checkpoint.every_steps,
-        peer_snapshots=spec.checkpoint.peer_snapshots, stop=stop,
+        peer_snapshots=spec.checkpoint.peer_snapshots,
+        snapshot_every=spec.checkpoint.snapshot_every_steps, stop=stop,
         unit_seconds=planner.unit_seconds() if spec.stragglers.replan else (),
         profile_out=str(Path(scratch) / "profile.json") if profiled_table else None,
         slowdown=((identity.pod, *slowdown),) if slowdown else (),

@@ -136,6 +136,7 @@ def run_elastic(
         bucket_bytes=bucket_bytes,
         profile_out=str(profile_out) if profile_out else None,
         peer_snapshots=peer_snapshots,
+        snapshot_every=job.spec.checkpoint.snapshot_every_steps,
         unit_seconds=tuple(unit_seconds or ()),
         slowdown=tuple(slowdown),
         watch_stragglers=watch_stragglers,

@@ -1,31 +1,46 @@
-"""Peer snapshots (DESIGN.md section 2, Faults): a lost worker costs only the step in flight.
+"""Peer snapshots (DESIGN.md section 2, Faults): a lost worker costs only the steps since the
+newest complete snapshot.
 
-At every step boundary each member of a world copies its training state (everything
+At a snapshot boundary each member of a world copies its training state (everything
 ``Trainer.state_tensors`` holds: parameters, AdamW moments and step; data, learning rate and
-dropout are functions of the step) into one flat buffer, and sends that copy to the next
-member of the world, its *keeper* (``members[(rank + 1) % size]``, the rule of
-tidal_plan.keepers), while it receives the copy of the member before it, its *ward*. So every
-member's state at that boundary lives on two workers, and losing one worker (or several, none
-next to another in the ring) loses none of it.
+dropout are functions of the step) into one flat buffer in host memory (pinned where the state
+is on a GPU), and sends that copy to the next member of the world, its *keeper*
+(``members[(rank + 1) % size]``, the rule of tidal_plan.keepers), while it receives the copy of
+the member before it, its *ward*. So every member's state at that boundary lives on two
+workers, and losing one worker (or several, none next to another in the ring) loses none of it.
+
+Only the copy holds training up: the swap runs in the background over a CPU group of its own
+(``World.cpu``, so the pipeline's messages never queue behind it) while the next steps train,
+and is waited for at the next snapshot, at a shrink that uses it, or on the fault path
+(:meth:`PeerSnapshots.settle`). A ward's copy counts only once it has arrived whole.
+
+Snapshots are taken at the first boundary of every world and then every ``interval`` steps
+(:class:`Cadence`): ``checkpoint.snapshotEverySteps``, or by default an interval chosen at run
+time from their measured cost, the fewest steps that keep it within ``BUDGET`` of the training
+time (every member computes the same one from figures reduced over the world).
 
 A worker keeps its two newest own copies and its ward's two newest complete ones. Two, because
-the members of a failed step may stand at different boundaries: one that finished the step
-(its optimizer ran) is a boundary past a lost member that did not, whose newest copy is the
-one before. A *cut* is one boundary of one world (generation, members, step); it is whole when
-every member's copy at it survives, its own or its keeper's. The leader picks the newest whole
-cut from the survivors' summaries (:func:`choose_cut`), and the survivors rebuild the state
-of that step in their new layout with an ordinary reshard plan from the cut's placement, in
-which a keeper sends for its lost ward (``senders``).
+the members of a failed step may stand at different boundaries: one that reached a snapshot
+boundary (and took its copy) is a snapshot past a lost member that did not, whose newest copy
+is the one before. A *cut* is one boundary of one world (generation, members, step); it is
+whole when every member's copy at it survives, its own or its keeper's. The leader picks the
+newest whole cut from the survivors' summaries (:func:`choose_cut`), and the survivors rebuild
+the state of that step in their new layout with an ordinary reshard plan from the cut's
+placement, in which a keeper sends for its lost ward (``senders``).
 
-The price: four times the state's memory per worker (two own copies, two of the ward's) and one
-state-sized transfer per worker per step.
+The price: four times the state's memory per worker, in host memory (two own copies, two of
+the ward's), and one state-sized transfer per worker per snapshot.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +50,9 @@ from tidal_api.layout import Layout
 from tidal_plan.reshard import Placement, TensorMeta
 
 KEEP = 2  # copies of each kind: see the module docstring
-_TAG = 7_000_001  # the exchange's P2P tag (nothing else is in flight at a boundary)
+BUDGET = 0.05  # the automatic interval's bound on snapshots' share of training time
+MAX_INTERVAL = 50  # steps: the automatic interval's bound on what a fault replays
+_TAG = 7_000_001  # the swap's P2P tag
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,22 +104,136 @@ class _Copy:
         return {**self.cut.to_json(), "of": self.owner}
 
 
-class PeerSnapshots:
-    """One worker's own copies and its ward's, taken at every step boundary (:meth:`take`)."""
+class Cadence:
+    """Which step boundaries take a snapshot: the first of every world, then every ``every``
+    steps, or, with ``every`` 0, every ``interval`` steps chosen from the measured cost.
 
-    def __init__(self, metas: Sequence[TensorMeta], device: torch.device) -> None:
+    The cost of one snapshot is the time it held training up (the copy, and the wait for the
+    previous swap) plus what the step after it, trained while the swap ran, took over a step
+    without one. Every member reduces its figures over the world at each snapshot, so all
+    choose the same interval: the fewest steps over which that cost stays within ``BUDGET`` of
+    the training time, two while a figure is missing (so that a plain step gets measured).
+    """
+
+    def __init__(self, every: int = 0) -> None:
+        if every < 0:
+            raise ValueError(f"the snapshot interval must be at least 1 step, or 0 to choose it "
+                             f"from the measured cost; got {every}")
+        self.every = every
+        self.interval = every or 1
+        self._world: tuple[int, str] | None = None  # the newest snapshot's (world_key)
+        self._next = 0
+        self._after = False  # the next step trains beside the newest snapshot's swap
+        self._overlapped: float | None = None
+        self._plain: deque[float] = deque(maxlen=8)
+
+    def due(self, world: World, step: int) -> bool:
+        return world_key(world) != self._world or step >= self._next
+
+    def stepped(self, seconds: float) -> None:
+        """A step of ``seconds`` was trained."""
+        if self._after:
+            self._overlapped, self._after = seconds, False
+        else:
+            self._plain.append(seconds)
+
+    def taken(self, world: World, step: int, held_s: float) -> None:
+        """A snapshot was taken at ``step``, holding training up for ``held_s``; every member
+        of ``world`` calls this at the same boundary."""
+        if world_key(world) != self._world:  # another layout: other step times
+            self._plain.clear()
+            self._overlapped = None
+        if self.every:
+            self.interval = self.every
+        else:
+            self.interval = self._choose(world, held_s)
+        self._world, self._next, self._after = world_key(world), step + self.interval, True
+
+    def _choose(self, world: World, held_s: float) -> int:
+        missing = self._overlapped is None or not self._plain
+        plain = statistics.median(self._plain) if self._plain else 0.0
+        cost = held_s + max(0.0, (self._overlapped or 0.0) - plain)
+        figures = torch.tensor([float(missing), cost, -plain], dtype=torch.float64)
+        world.cpu.allreduce([figures], _MAX).wait()
+        missing, cost, plain = figures[0].item(), figures[1].item(), -figures[2].item()
+        if missing or plain <= 0.0:
+            return 2
+        return max(1, min(MAX_INTERVAL, math.ceil(cost / (BUDGET * plain))))
+
+
+_MAX = torch.distributed.AllreduceOptions()
+_MAX.reduceOp = torch.distributed.ReduceOp.MAX
+
+
+class _Swap:
+    """One snapshot's exchange, in a background thread: this member's copy to its keeper, its
+    ward's into ``ward`` (complete only once the thread ends without an error)."""
+
+    def __init__(self, world: World, own: _Copy, ward: _Copy,
+                 copied: torch.cuda.Event | None) -> None:
+        self.ward = ward
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, args=(world, own.flat, copied),
+                                        name="tidal-snapshot-swap", daemon=True)
+        self._thread.start()
+
+    def _run(self, world: World, flat: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        started = time.perf_counter()
+        try:
+            if copied is not None:
+                copied.synchronize()  # the copy out of GPU memory, queued at the boundary
+            works = [world.cpu.send([flat], (world.rank + 1) % world.size, _TAG),
+                     world.cpu.recv([self.ward.flat], (world.rank - 1) % world.size, _TAG)]
+            for work in works:
+                work.wait()
+        except BaseException as err:  # noqa: BLE001 - raised in the training thread (settle)
+            self.error = err
+        self.seconds = time.perf_counter() - started
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self) -> BaseException | None:
+        self._thread.join()
+        return self.error
+
+
+class PeerSnapshots:
+    """One worker's own copies and its ward's, taken at the boundaries ``cadence`` says."""
+
+    def __init__(self, metas: Sequence[TensorMeta], device: torch.device, *,
+                 every: int = 0) -> None:
         self.metas = tuple(metas)
-        self.device = device
+        self.device = device  # the training state's; the copies are in host memory
+        self.cadence = Cadence(every)
         self.own: list[_Copy] = []  # oldest first
         self.ward: list[_Copy] = []
-        self.seconds = 0.0  # the newest take's
+        self.seconds = 0.0  # the newest snapshot's hold on training (copy, and the settle)
+        self.swap_s = 0.0  # the newest settled swap's, in the background
+        self._swap: _Swap | None = None
+        self._newest: tuple[tuple[int, str], int] | None = None  # (world_key, step)
         self._indexes: dict[tuple[Layout, tuple[str, ...], str], dict[str, tuple[int, int]]] = {}
+
+    def due(self, world: World, step: int) -> bool:
+        return self.cadence.due(world, step)
+
+    def holds(self, world: World, step: int) -> bool:
+        """Whether a snapshot of ``world`` was taken at ``step``."""
+        return self._newest == (world_key(world), step)
+
+    @property
+    def swapping(self) -> bool:
+        """Whether a swap is still under way (for a fault's report)."""
+        return self._swap is not None and self._swap.running
 
     def take(self, world: World, generation: int, layout: Layout, step: int,
              state: Mapping[str, torch.Tensor]) -> None:
-        """Copy ``state`` (this worker's, ``step`` steps done) and swap copies with the
-        neighbours in ``world``'s ring; every member calls it at the same boundary."""
+        """Copy ``state`` (this worker's, ``step`` steps done) and start swapping copies with
+        the neighbours in ``world``'s ring; every member calls it at the same boundary."""
         started = time.perf_counter()
+        self.settle()
         me = world.members[world.rank]
         cut = Cut(generation=generation, members=world.members, layout=layout, step=step,
                   senders={})
@@ -112,18 +243,38 @@ class PeerSnapshots:
                              f"position in {layout.describe()}")
         own = self._slot(self.own, cut, me, index)
         for name, (offset, numel) in index.items():
-            own.flat[offset:offset + numel].copy_(state[name].reshape(-1))
+            own.flat[offset:offset + numel].copy_(state[name].reshape(-1), non_blocking=True)
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
         self.own.append(own)
         if world.size > 1:
             ward_name = world.members[(world.rank - 1) % world.size]
             ward = self._slot(self.ward, cut, ward_name,
                               self._index(layout, world.members, ward_name))
-            works = [world.send(own.flat, (world.rank + 1) % world.size, _TAG),
-                     world.recv(ward.flat, (world.rank - 1) % world.size, _TAG)]
-            for work in works:
-                work.wait()
-            self.ward.append(ward)  # only now complete
+            self._swap = _Swap(world, own, ward, copied)
+        elif copied is not None:
+            copied.synchronize()
+        self._newest = (world_key(world), step)
         self.seconds = time.perf_counter() - started
+        self.cadence.taken(world, step, self.seconds)
+
+    def stepped(self, seconds: float) -> None:
+        """A step of ``seconds`` was trained (for the automatic interval)."""
+        self.cadence.stepped(seconds)
+
+    def settle(self) -> None:
+        """Wait for the swap under way, if any: from now on the ward's copy counts. A swap
+        that failed (a neighbour lost) raises, its copy of the ward discarded."""
+        swap, self._swap = self._swap, None
+        if swap is None:
+            return
+        error = swap.join()
+        self.swap_s = swap.seconds
+        if error is not None:
+            raise RuntimeError(f"the peer snapshot swap failed: {error}") from error
+        self.ward.append(swap.ward)
 
     def _index(self, layout: Layout, members: tuple[str, ...],
                worker: str) -> dict[str, tuple[int, int]]:
@@ -143,7 +294,8 @@ class PeerSnapshots:
         if old is not None and old.flat.numel() == numel:
             flat = old.flat
         else:
-            flat = torch.empty(numel, dtype=torch.float32, device=self.device)
+            flat = torch.empty(numel, dtype=torch.float32,
+                               pin_memory=self.device.type == "cuda")
         return _Copy(cut=cut, owner=owner, flat=flat, index=index)
 
     def summary(self) -> dict[str, Any]:
@@ -169,8 +321,19 @@ class PeerSnapshots:
         return own, held
 
     def clear(self) -> None:
+        """Forget every copy (of a world that is gone); a swap under way is waited out."""
+        swap, self._swap = self._swap, None
+        if swap is not None:
+            swap.join()
+        self._newest = None
         self.own.clear()
         self.ward.clear()
+
+
+def world_key(world: World) -> tuple[int, str]:
+    """A world's identity that holds no reference to it (its process groups must close when
+    the fault path drops it): its generation and name, its store prefix."""
+    return (world.generation, world.name)
 
 
 def state_index(metas: Sequence[TensorMeta], placement: Placement,

@@ -90,7 +90,8 @@ def execute_reshard(
             src = senders.get(transfer.src, transfer.src)
             if src == me:
                 state = old_state if transfer.src == me else held[transfer.src]
-                piece = state[transfer.tensor].view(-1)[region]
+                # A held copy is in host memory: to the world's device to be sent (no-op on CPU)
+                piece = state[transfer.tensor].view(-1)[region].to(world.device)
                 if transfer.dst == me:
                     new_state[transfer.tensor].view(-1)[region].copy_(piece)
                     continue

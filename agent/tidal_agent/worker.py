@@ -44,6 +44,7 @@ state moves of the fault path (tidal_agent.recovery), the switch's data path
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -97,7 +98,8 @@ class WorkerOptions:
     resume_from: str | None = None  # a checkpoint directory
     checkpoint_root: str | None = None
     checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
-    peer_snapshots: bool = False  # copy the state to a ring neighbour at every step boundary
+    peer_snapshots: bool = False  # copy the state to a ring neighbour (tidal_agent.snapshot)
+    snapshot_every: int = 0  # steps between peer snapshots; 0: chosen from their measured cost
     bucket_bytes: int = 256 << 20  # in flight per worker during a reshard
     # Profile each generation's first steps online (profile_window from its start) and write
     # the first profile (JSON) here, the later ones beside it (profile_path).
@@ -167,7 +169,10 @@ class _Worker:
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         self.metas = state_metadata(spec.model)
-        self.snapshots = PeerSnapshots(self.metas, self.device) if opts.peer_snapshots else None
+        self.snapshots = (PeerSnapshots(self.metas, self.device, every=opts.snapshot_every)
+                          if opts.peer_snapshots else None)
+        self._held_s: float | None = None  # this boundary's snapshot's hold on training
+        self._swapping = False  # a snapshot swap was under way at the newest failure
         self._last_step_end: float | None = None
         self._gen: Generation | None = None  # where training is: for the fault path
         self._step = 0
@@ -230,13 +235,13 @@ class _Worker:
         self._gen, self._step = gen, gen.at_step
         if previous is None:
             resume = self.source.resume_from
-            world = build_world(opts.rendezvous, gen.index, gen.members, self.me, name=gen.world)
+            world = self._world(gen.index, gen.members, gen.world)
             trainer = self._trainer(gen, world, initialise=resume is None)
             step = checkpoint.load(trainer, resume) if resume else gen.at_step
             self.events.put(Ready(worker=self.me, step=step))
         else:  # a joiner: standby in the new world until the old members arrive
             self.events.put(Ready(worker=self.me, step=None))
-            world = build_world(opts.rendezvous, gen.index, gen.members, self.me, name=gen.world)
+            world = self._world(gen.index, gen.members, gen.world)
             trainer = self._trainer(gen, world, initialise=False)
             self._reshard(self._plan(previous, gen), world, None, trainer)
             step = gen.at_step
@@ -252,9 +257,11 @@ class _Worker:
         following = builder = plan = None
         while step < opts.steps:
             self._step = step
-            if self.snapshots is not None:
+            self._held_s = None if self.snapshots is None else 0.0
+            if self.snapshots is not None and self.snapshots.due(world, step):
                 self.snapshots.take(world, gen.index, source.layout(gen), step,
                                     trainer.state_tensors())
+                self._held_s = self.snapshots.seconds
             word = watch.boundary(step) if watch is not None else None
             replan = word.layout if word is not None else None
             if word is not None and word.profile:
@@ -320,7 +327,7 @@ class _Worker:
         self.events.put(Released(
             worker=self.me, at_step=step,
             release_s=None if ended is None else time.perf_counter() - ended,
-            snapshot_s=self.snapshots.seconds if self.snapshots is not None else 0.0,
+            snapshot_s=self._held_s or 0.0,
         ))
         self.events.put(Left(worker=self.me, step=step, peak_rss_bytes=peak_rss_bytes()))
 
@@ -340,6 +347,12 @@ class _Worker:
         # The worlds live in the frames of the traceback: clear them and collect, so that each
         # process group closes its connections now and peers still blocked on this worker fail
         # at once rather than at the timeout.
+        self._swapping = self.snapshots is not None and self.snapshots.swapping
+        if self.snapshots is not None:
+            # Settled first: a ward's copy that arrives whole counts. One that fails (a
+            # neighbour lost) does not; the failure itself is this one.
+            with contextlib.suppress(RuntimeError):
+                self.snapshots.settle()
         traceback.clear_frames(err.__traceback__)
         drop_default_group()
         gc.collect()
@@ -365,8 +378,7 @@ class _Worker:
         """Go on in the survivors' generation from the peer snapshots, a checkpoint or step 0."""
         gen = recovery.generation
         self._gen, self._step = gen, gen.at_step
-        world = build_world(self.opts.rendezvous, gen.index, gen.members, self.me,
-                            name=recovery.world)
+        world = self._world(gen.index, gen.members, recovery.world)
         fresh = recovery.checkpoint is None and recovery.snapshot is None
         trainer = self._trainer(gen, world, initialise=fresh)
         if recovery.snapshot is not None:
@@ -384,7 +396,7 @@ class _Worker:
                 snapshot=recovery.snapshot is not None, checkpoint=recovery.checkpoint,
                 lost=recovery.lost, left=recovery.left, generation=gen.index,
                 members=gen.members, layout=trainer.layout,
-                pause_s=time.perf_counter() - failed,
+                pause_s=time.perf_counter() - failed, swapping=self._swapping,
             ))
         return trainer, world, gen.at_step
 
@@ -404,6 +416,8 @@ class _Worker:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         self._last_step_end = time.perf_counter()
+        if self.snapshots is not None:
+            self.snapshots.stepped(seconds)
         predicted = self._drift.predicted
         if profiling and step == last - 1:  # part of the step: reported done after it
             self._finish_profile(trainer)
@@ -416,8 +430,7 @@ class _Worker:
             self.events.put(Stepped(
                 worker=self.me, step=result.step, loss=result.loss,
                 loss_hex=float.hex(result.loss), grad_norm=result.grad_norm, lr=result.lr,
-                seconds=seconds,
-                snapshot_s=self.snapshots.seconds if self.snapshots is not None else None,
+                seconds=seconds, snapshot_s=self._held_s,
                 layout=trainer.layout,
                 watch_s=watch.seconds if watch is not None else None,
                 speeds=watch.speeds() if watch is not None else {},
@@ -466,7 +479,12 @@ class _Worker:
         if self.me not in following.members:
             return None
         return WorldBuilder(self.opts.rendezvous, following.index, following.members, self.me,
-                            name=following.world)
+                            name=following.world, cpu_group=self.snapshots is not None)
+
+    def _world(self, generation: int, members: tuple[str, ...], name: str) -> World:
+        """Join a generation's world (with a CPU group for the peer snapshots' swaps)."""
+        return build_world(self.opts.rendezvous, generation, members, self.me, name=name,
+                           cpu_group=self.snapshots is not None)
 
     def _plan(self, old: Generation, new: Generation) -> ReshardPlan:
         """A switch's reshard plan, made ahead of it rather than during the pause."""
@@ -479,10 +497,11 @@ class _Worker:
                 ) -> tuple[Trainer | None, World | None]:
         paused = time.perf_counter()
         growing = len(new.members) > len(old.members)
-        cut = None if growing else self._kept_cut(old, new)
+        cut = None if growing else self._kept_cut(old, new, world)
         if cut is not None:
             # Every leaver's state at this boundary is with a keeper that stays: the leavers go
             # now, once every keeper holds its copy, and the keepers send in their place.
+            self.snapshots.settle()
             world.barrier()
             if self.me not in new.members:
                 return None, None
@@ -507,12 +526,14 @@ class _Worker:
             ))
         return new_trainer, new_world
 
-    def _kept_cut(self, old: Generation, new: Generation) -> Cut | None:
-        """For a shrink, the peer snapshots of this boundary (taken in ``old``'s world) as a
+    def _kept_cut(self, old: Generation, new: Generation, world: World) -> Cut | None:
+        """For a shrink, the peer snapshots of this boundary (taken in ``old``'s ``world``) as a
         cut whose leavers' state their keepers send, if every leaver's keeper stays; else None
-        (no snapshots, or two leavers next to each other in the ring): the leavers send."""
+        (no snapshots, none at this boundary, or two leavers next to each other in the ring):
+        the leavers send."""
         leavers = [m for m in old.members if m not in new.members]
-        if self.snapshots is None or not leavers or not keepers_stay(old.members, leavers):
+        if (self.snapshots is None or not leavers or not keepers_stay(old.members, leavers)
+                or not self.snapshots.holds(world, self._step)):
             return None
         keeper = keepers(old.members)
         return Cut(generation=old.index, members=old.members, layout=self.source.layout(old),

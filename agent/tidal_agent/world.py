@@ -49,10 +49,21 @@ class World:
     store: dist.Store = field(repr=False)
     rendezvous: Rendezvous = field(repr=False)
     name: str = "train"  # with the generation, the world's store prefix: unique per world
+    # A gloo group over the same members for background transfers through host memory (the
+    # peer snapshots' swap): its own connections, so nothing of the training's queues behind
+    # them, whatever the backend. Built with the world where asked (``build_world``).
+    cpu: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
         return len(self.members)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors this world's group sends and receives must be."""
+        if self.rendezvous.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         return self.pg.send([tensor], dst, tag)
@@ -97,8 +108,11 @@ def build_world(
     *,
     name: str = "train",
     store: dist.Store | None = None,
+    cpu_group: bool = False,
 ) -> World:
-    """Join the world of ``members`` for ``generation``; blocks until every member joins."""
+    """Join the world of ``members`` for ``generation``; blocks until every member joins.
+    ``cpu_group``: with a gloo group beside it (``World.cpu``), built now, where every member
+    is, rather than later, when one may be lost."""
     if me not in members:
         raise ValueError(f"worker {me} is not a member of generation {generation}: {members}")
     store = store if store is not None else rendezvous.connect()
@@ -109,8 +123,10 @@ def build_world(
         pg = dist.ProcessGroupNCCL(prefixed, rank, size)
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    cpu = (dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/{name}.cpu/", store), rank,
+                                 size, timeout) if cpu_group else None)
     return World(generation=generation, members=members, rank=rank, pg=pg, store=store,
-                 rendezvous=rendezvous, name=name)
+                 rendezvous=rendezvous, name=name, cpu=cpu)
 
 
 class WorldBuilder:

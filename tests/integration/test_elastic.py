@@ -88,7 +88,10 @@ def test_with_peer_snapshots_leavers_go_at_once_where_their_keepers_stay(tmp_pat
     from tidal_plan.elastic import elastic_plan
     from tidal_plan.layout import resolve_layout
 
-    job = parse_job(yaml.safe_load(TINY.read_text()))
+    doc = yaml.safe_load(TINY.read_text())
+    # A snapshot at every boundary: a shrink uses the one of its own boundary, if taken.
+    doc["spec"].setdefault("checkpoint", {})["snapshotEverySteps"] = 1
+    job = parse_job(doc)
     gens, layouts = elastic_plan(job, [(0, 3), (4, 2), (8, 4), (12, 2)])
     elastic = run_elastic(job, gens, layouts, steps=16, timeout_s=120, peer_snapshots=True)
     static = run_local(job, resolve_layout(job, workers=2), steps=16, timeout_s=120)

@@ -1,4 +1,5 @@
-"""The leader's choice of the peer-snapshot cut the survivors of a fault rebuild from."""
+"""Peer snapshots: the leader's choice of the cut the survivors of a fault rebuild from, and
+when snapshots are taken."""
 
 from __future__ import annotations
 
@@ -85,3 +86,84 @@ def test_at_a_switch_boundary_the_newer_generation_wins_and_leavers_count_as_los
 def test_nothing_held_is_no_cut():
     assert choose_cut({}) is None
     assert choose_cut({"w0": {}, "w1": {"own": [], "ward": []}}) is None
+
+
+# ---- when snapshots are taken (Cadence) ----------------------------------------------------------
+
+def _world(generation: int = 0, name: str = "train"):
+    """A one-member world on a real gloo group (its CPU group the same): the cadence's
+    reduction runs, over one member."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tidal_agent.world import Rendezvous, World
+
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    return World(generation=generation, members=("w0",), rank=0, pg=pg, store=dist.HashStore(),
+                 rendezvous=Rendezvous(host="127.0.0.1", port=0, prefix="t/"), name=name, cpu=pg)
+
+
+def _due(cadence, world, steps) -> list[int]:
+    """The steps of ``steps`` at which ``cadence`` takes a snapshot (each step 1 s; the step
+    after a snapshot ``overlapped`` s, a snapshot holding training for ``held`` s)."""
+    taken = []
+    for step in steps:
+        if cadence.due(world, step):
+            taken.append(step)
+            cadence.taken(world, step, held_s=0.1)
+            cadence.stepped(1.2)
+        else:
+            cadence.stepped(1.0)
+    return taken
+
+
+def test_a_fixed_interval_counts_from_each_world_s_first_boundary():
+    from tidal_agent.snapshot import Cadence
+
+    cadence = Cadence(3)
+    first, second = _world(0), _world(1, "recovery1")
+    assert _due(cadence, first, range(0, 8)) == [0, 3, 6]
+    assert _due(cadence, second, range(7, 12)) == [7, 10]  # a new world: at once
+
+
+def test_the_default_interval_keeps_the_measured_cost_within_the_budget():
+    from tidal_agent.snapshot import BUDGET, Cadence
+
+    cadence = Cadence(0)
+    world = _world()
+    # Two steps while a figure is missing; then the cost, 0.1 s held plus the 0.2 s the step
+    # beside the swap took over a plain one, within BUDGET of 1 s steps: 0.3 / 0.05 = 6.
+    assert _due(cadence, world, range(0, 16)) == [0, 2, 8, 14]
+    assert cadence.interval == round(0.3 / (BUDGET * 1.0)) == 6
+    # Another world (a switch, a recovery): other step times, measured afresh.
+    assert _due(cadence, _world(1), range(16, 19)) == [16, 18]
+
+
+def test_a_negative_interval_is_refused_with_the_fix():
+    import pytest
+
+    from tidal_agent.snapshot import Cadence
+
+    with pytest.raises(ValueError, match="at least 1 step, or 0"):
+        Cadence(-1)
+
+
+def test_a_one_member_snapshot_copies_the_state_into_host_memory():
+    import torch
+
+    from tidal_agent.snapshot import PeerSnapshots
+    from tidal_plan.reshard import TensorMeta
+
+    metas = [TensorMeta(name="a", numel=3, unit=None, itemsize=4),
+             TensorMeta(name="b", numel=2, unit=None, itemsize=4)]
+    snapshots = PeerSnapshots(metas, torch.device("cpu"), every=1)
+    world = _world()
+    layout = build_layout(num_units=2, workers=1, micro_batch_size=1, num_micro_batches=1)
+    state = {"a": torch.arange(3.0), "b": torch.ones(2)}
+    snapshots.take(world, 0, layout, 5, state)
+    state["a"].add_(1.0)  # training goes on; the copy stays
+    assert snapshots.holds(world, 5) and not snapshots.holds(world, 6)
+    own = snapshots.own[-1].views()
+    assert own["a"].tolist() == [0.0, 1.0, 2.0] and own["b"].tolist() == [1.0, 1.0]
+    assert not snapshots.swapping and snapshots.ward == []
