@@ -84,9 +84,16 @@ def checkpoint_restart() -> dict:
             "total_s": saved["seconds"] + second["startup_s"]}
 
 
+def snapshot_every(job, every: int):
+    """``job`` with peer snapshots every ``every`` steps (0: the interval their cost sets)."""
+    checkpoint = job.spec.checkpoint.model_copy(update={"snapshot_every_steps": every})
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"checkpoint": checkpoint})})
+
+
 def shrink(snapshots: bool) -> dict:
-    """3 -> 2 workers after the first step: the switch's timings and worker-2's release_s."""
-    job = _job()
+    """3 -> 2 workers after the first step: the switch's timings and worker-2's release_s
+    (with a snapshot at every boundary, so at the shrink's)."""
+    job = snapshot_every(_job(), 1)
     gens, layouts = elastic_plan(job, [(0, 3), (1, 2)])
     report = run_elastic(job, gens, layouts, steps=2, timeout_s=600, peer_snapshots=snapshots)
     (change,), (release,) = report["reconfigurations"], report["releases"]

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [*(str(ROOT / root) for root in ("api", "agent", "operator", "doubles")), str(ROOT / "bench")]
 
-from reshard import _job  # noqa: E402  (the same model and job as the reshard benchmark)
+from reshard import _job, snapshot_every  # noqa: E402  (the reshard benchmark's model and job)
 
 from tidal_agent.runner import run_local  # noqa: E402
 from tidal_agent.snapshot import state_index  # noqa: E402
@@ -37,11 +37,7 @@ from tidal_plan.reshard import Placement  # noqa: E402
 
 def _run(workers: int, steps: int, every: int | None) -> list[dict]:
     """The leader's step rows of one run: ``every`` steps between snapshots (None: none)."""
-    job = _job()
-    if every is not None:
-        job = job.model_copy(update={"spec": job.spec.model_copy(update={
-            "checkpoint": job.spec.checkpoint.model_copy(
-                update={"snapshot_every_steps": every})})})
+    job = snapshot_every(_job(), every or 0)
     report = run_local(job, resolve_layout(job, workers=workers), steps=steps, timeout_s=600,
                        peer_snapshots=every is not None)
     return report["steps"]

@@ -279,6 +279,8 @@ class _Worker:
                     builder, plan = self._next_builder(following), self._plan(gen, following)
             if leaving:
                 log.warning("%s: asked to stop; leaving at step %d", self.me, step)
+                if self.snapshots is not None:
+                    self.snapshots.settle()  # its newest copy whole at its keeper
                 source.depart(self.me, step)
                 self.events.put(Left(worker=self.me, step=step, peak_rss_bytes=peak_rss_bytes()))
                 return

@@ -110,7 +110,8 @@ def _bitwise_static(report: dict, doc: dict, workers: int, *parts: dict) -> None
 def test_a_worker_that_does_not_drain_is_deleted_and_the_job_goes_on(tmp_path):
     # A grace period of 2 s, not Kubernetes' 30: the kill comes sooner, the path is the same.
     doc = _tiny(STEPS, {"min": 2, "max": 3},
-                checkpoint={"path": str(tmp_path / "ckpt"), "everySteps": 10},
+                checkpoint={"path": str(tmp_path / "ckpt"), "everySteps": 10,
+                            "snapshotEverySteps": 1},
                 scaling={"probabilityThreshold": 0.5, "cooldownSeconds": 0,
                          "switchOverheadSeconds": 1, "drainTimeoutSeconds": 3},
                 template={"terminationGracePeriodSeconds": 2})
@@ -138,9 +139,10 @@ def test_a_worker_that_does_not_drain_is_deleted_and_the_job_goes_on(tmp_path):
 
     (recovery,) = report["recoveries"]
     assert recovery["lost"] == [w2] and recovery["members"] == [w0, w1]
-    # From the peer snapshots (the default): only the step in flight is replayed.
+    # From the peer snapshots (the default), one at every boundary here: the step in flight is
+    # replayed, and the one before where the lost pod's newest copy had not reached its keeper.
     assert recovery["snapshot"] is True and recovery["checkpoint"] is None
-    assert 0 <= recovery["failed_at"] - recovery["resumed_at"] <= 1
+    assert 0 <= recovery["failed_at"] - recovery["resumed_at"] <= 2
     _bitwise_static(report, doc, workers=2)
 
 
@@ -150,7 +152,7 @@ def test_a_worker_that_dies_unasked_is_replaced_and_the_job_goes_on(tmp_path, si
     """SIGKILL: the worker dies mid-step and is lost once silent. SIGTERM (a pod deleted,
     preempted or drained): it leaves at its next step boundary and says so, so it is lost at
     once."""
-    doc = _tiny(STEPS, {"min": 2, "max": 2})
+    doc = _tiny(STEPS, {"min": 2, "max": 2}, checkpoint={"snapshotEverySteps": 1})
     w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
     with _running(doc, tmp_path, gpus=2) as (cluster, api, status):
         _until(lambda: (s := status()).get("members") == [w0, w1] and s.get("step", 0) >= 20,
@@ -174,9 +176,11 @@ def test_a_worker_that_dies_unasked_is_replaced_and_the_job_goes_on(tmp_path, si
     assert recovery["lost"] == [w1] and recovery["members"] == [w0]
     assert recovery["left"] == ([w1] if sig == signal.SIGTERM else [])
     assert recovery["snapshot"] is True
-    # Killed, it may die mid-step (one step replayed); terminated, it leaves at a boundary.
+    # Killed, it may die mid-step, its newest copy on the way to its keeper (up to two steps
+    # replayed at a snapshot every step); terminated, it leaves at a boundary once its copy
+    # of it is whole at its keeper.
     assert recovery["failed_at"] - recovery["resumed_at"] in ((0,) if sig == signal.SIGTERM
-                                                              else (0, 1))
+                                                              else (0, 1, 2))
     assert [g["members"] for g in report["generations"]][-2:] == [[w0], [w0, w2]]
     _bitwise_static(report, doc, workers=2)  # 2 workers, then 1, then 2 again
 
@@ -188,7 +192,8 @@ def test_a_job_whose_leader_is_lost_restarts_from_where_it_was(tmp_path):
     every member saves; killed, the others save the boundary their peer snapshots hold. Each
     time the operator restarts the job, and it trains on from there."""
     root = tmp_path / "ckpt"
-    doc = _tiny(STEPS, {"min": 2, "max": 2}, checkpoint={"path": str(root), "everySteps": 1000})
+    doc = _tiny(STEPS, {"min": 2, "max": 2}, checkpoint={"path": str(root), "everySteps": 1000,
+                                                         "snapshotEverySteps": 1})
     w0, w1 = (f"tiny-worker-{i}" for i in range(2))
     with _running(doc, tmp_path, gpus=2) as (cluster, api, status):
         _until(lambda: (s := status()).get("members") == [w0, w1] and s.get("step", 0) >= 20,
@@ -213,10 +218,10 @@ def test_a_job_whose_leader_is_lost_restarts_from_where_it_was(tmp_path):
     assert halted["halted"]["checkpoint"] == str(root / f"step-{at:08d}")
     assert restarts[0] == (f"the leader {w0} stopped when asked at step {at}: restart 1, from "
                            "the newest checkpoint under spec.checkpoint.path")  # no failure
-    # Killed: the survivor saved the newest boundary the peer snapshots held whole, the step
-    # in flight at most behind what the job had published.
+    # Killed: the survivor saved the newest boundary the peer snapshots (one every step) held
+    # whole, at most the step in flight and the one before behind what the job had published.
     rescued = report["generations"][0]["at_step"]
-    assert rescued >= seen["step"] - 1 and rescued > at
+    assert rescued >= seen["step"] - 2 and rescued > at
     assert report["resumed_from"] == str(root / f"step-{rescued:08d}")
     assert f"the peer snapshots of step {rescued} are saved" in survivor
     assert restarts[1].startswith(f"the leader {w0} failed (exit code 137) at step ")
