@@ -147,10 +147,10 @@ def print_table(report: dict, console: Console) -> None:
                    "switches free and immediate, which shows how much of the result the switch "
                    "cost takes (a diagnostic).")
 @click.option("--peer-snapshots/--no-peer-snapshots", default=False, show_default=True,
-              help="tidal's jobs keep peer snapshots, as the agent does by default, so a "
-                   "scale-down whose released workers' keepers stay frees their GPUs at the "
-                   "step boundary. Their per-step cost and memory are not modelled; at "
-                   "FlexTrain's sizes they would need host memory.")
+              help="tidal's jobs keep a peer snapshot at every step boundary "
+                   "(snapshotEverySteps: 1), so a scale-down whose released workers' keepers "
+                   "stay frees their GPUs at the step boundary. The swap's cost and host "
+                   "memory are not modelled.")
 @click.option("--threshold", type=click.FloatRange(0, 1, max_open=True),
               default=DEFAULT_THRESHOLD, show_default=True,
               help="tidal's scaling.probabilityThreshold: the Poisson rule's and the headroom "
