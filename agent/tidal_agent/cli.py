@@ -382,11 +382,12 @@ def _slowdown(text: str | None) -> tuple[int, int, float] | None:
 @click.option("--publish-interval", "publish_interval_s", type=click.FloatRange(min=0), default=2.0, show_default=True, help="Seconds between status patches (a new generation goes out at once).")
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True, help="auto: nccl where CUDA is available, else gloo.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent peer or rendezvous is an error.")
+@click.option("--lost-after", "lost_after_s", type=click.FloatRange(min=1.0), default=5.0, show_default=True, help="On the fault path, seconds of heartbeat silence (a beat every 0.5 s) after which a member that has not reported counts as lost.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="TIDAL_METRICS_PORT", help="Serve Prometheus metrics on this port (also $TIDAL_METRICS_PORT; 0 or unset: off).")
 @click.option("--profiled-table/--modeled-table", "profiled_table", default=True, show_default=True, help="Profile each generation's first steps and publish the scale table planned from the profile (both predictors), or profile nothing and keep the modeling-based table (for GPUs that share CPU cores, as tidal local's do: the profile would see the cores).")
 @click.option("--slowdown", hidden=True, help="Tests only: FIRST:END:FACTOR makes this pod a straggler, its decoder-layer forwards FACTOR times as long in steps [FIRST, END).")
 def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, backend,
-          timeout_s, metrics_port, profiled_table, slowdown) -> None:
+          timeout_s, lost_after_s, metrics_port, profiled_table, slowdown) -> None:
     """Run this pod's worker of an ElasticTrainingJob, as the operator starts it.
 
     The pod's identity comes from TIDAL_JOB, TIDAL_NAMESPACE, TIDAL_POD, TIDAL_RENDEZVOUS_HOST
@@ -412,8 +413,8 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
         identity = PodIdentity.from_env()
         result = run_agent(identity, kubeconfig=kubeconfig, threads=threads, steps=steps,
                            plan_device=plan_device, publish_interval_s=publish_interval_s,
-                           timeout_s=timeout_s, backend=backend, report_path=report,
-                           metrics_port=metrics_port, profiled_table=profiled_table,
+                           timeout_s=timeout_s, lost_after_s=lost_after_s, backend=backend,
+                           report_path=report, metrics_port=metrics_port, profiled_table=profiled_table,
                            slowdown=_slowdown(slowdown))
     except (ControlError, JobSpecError, LayoutError, DeviceError, LeaderLost) as err:
         raise click.ClickException(str(err)) from None

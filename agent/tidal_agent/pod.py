@@ -85,6 +85,7 @@ def run_agent(
     plan_device: str = "cpu",
     publish_interval_s: float = 2.0,
     timeout_s: float = 120.0,
+    lost_after_s: float = 5.0,
     backend: str = "gloo",
     report_path: str | Path | None = None,
     metrics_port: int | None = None,
@@ -97,7 +98,8 @@ def run_agent(
     ``profiled_table`` every generation profiles its first steps and the leader publishes
     the scale table planned from each profile (else nothing is profiled and the
     modeling-based table stays);
-    ``slowdown`` (first step, end step, factor) makes this pod a straggler, for tests."""
+    ``slowdown`` (first step, end step, factor) makes this pod a straggler, for tests;
+    ``lost_after_s``: the heartbeat silence after which the fault path counts a member lost."""
     link = ControlLink(identity.job, identity.namespace, kubeconfig=kubeconfig,
                        publish_interval_s=publish_interval_s)
     metrics = AgentMetrics(namespace=identity.namespace, job=identity.job, pod=identity.pod,
@@ -109,15 +111,16 @@ def run_agent(
             except OSError as err:
                 raise ControlError(f"cannot serve metrics on port {metrics_port}: {err}") from err
         return _run(identity, link, threads=threads, steps=steps, plan_device=plan_device,
-                    timeout_s=timeout_s, backend=backend, report_path=report_path,
-                    metrics=metrics.job, profiled_table=profiled_table, slowdown=slowdown)
+                    timeout_s=timeout_s, lost_after_s=lost_after_s, backend=backend,
+                    report_path=report_path, metrics=metrics.job,
+                    profiled_table=profiled_table, slowdown=slowdown)
     finally:
         link.close()
         metrics.close()
 
 
 def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int | None,
-         plan_device: str, timeout_s: float, backend: str,
+         plan_device: str, timeout_s: float, lost_after_s: float, backend: str,
          report_path: str | Path | None, metrics: JobMetrics | None,
          profiled_table: bool = True,
          slowdown: tuple[int, int, float] | None = None) -> dict[str, Any]:
@@ -156,7 +159,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         steps=steps, choose=choose, target=link.target, report=report,
         checkpoint_root=spec.checkpoint.path, heartbeat=rendezvous.connect(),
         fault_wait_s=2 * timeout_s + 30,  # past any member's own timeout on a dead peer
-        stop=stop,
+        lost_after_s=lost_after_s, stop=stop,
     )
     if leading:
         link.start()
