@@ -1,9 +1,11 @@
-"""Shared fixtures: a Kubernetes API emulator on a local port, with a kubeconfig for it."""
+"""Shared fixtures: a Kubernetes API emulator on a local port, with a kubeconfig for it, and a
+client of it that knows the ElasticTrainingJob CRD."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.integration.agents import crd_client
 from tidal_kube.serving import EmulatorThread
 
 
@@ -15,3 +17,11 @@ def emulator(tmp_path):
     with EmulatorThread(kubeconfig=tmp_path / "kubeconfig") as cluster:
         yield cluster
     assert not cluster.emulator.failures, f"the emulator failed: {cluster.emulator.failures!r}"
+
+
+@pytest.fixture
+def api(emulator):
+    """A lightkube client of ``emulator``, with the ElasticTrainingJob CRD installed."""
+    client = crd_client(emulator)
+    yield client
+    client.close()

@@ -13,86 +13,37 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from contextlib import closing
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import yaml
-from lightkube import Client
-from lightkube.config.kubeconfig import KubeConfig
 from lightkube.resources.core_v1 import Event
-from lightkube.types import PatchType
 from prometheus_client import CollectorRegistry
 
+from tests.integration.agents import (NAMESPACE, Observer, Pods, agent_command,
+                                      assert_bits_of_a_static_run, checkout_env, create,
+                                      finish, free_port, job_doc, set_status, status, until)
 from tidal_agent import checkpoint
 from tidal_agent.events import Stepped, Straggler
 from tidal_agent.generations import ControlledGenerations, LeaderRecovering
 from tidal_agent.link import ControlError, ControlLink
-from tidal_agent.link import ElasticTrainingJobResource as ETJ
 from tidal_agent.metrics import JobMetrics
 from tidal_agent.protocol import Halt, LeaderLost
 from tidal_agent.report import AgentReport
 from tidal_api import Target, keys
-from tidal_kube.serving import load_manifests
 from tidal_plan.elastic import Generation
 from tidal_plan.layout import build_layout
-
-ROOT = Path(__file__).resolve().parents[2]
-TIDAL = Path(sys.executable).with_name("tidal")
-NAMESPACE = "default"
-
-
-@pytest.fixture
-def api(emulator):
-    """A client of the emulator (tests/integration/conftest.py) with the CRD installed."""
-    for crd in load_manifests([ROOT / "crds" / "elastictrainingjobs.tidal.dev.yaml"]):
-        emulator.call(emulator.emulator.create, crd)
-    client = Client(KubeConfig.from_file(emulator.kubeconfig).get())
-    yield client
-    client.close()
-
-
-def _job_doc(name="tiny", steps=40):
-    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
-    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
-    doc["spec"]["training"]["steps"] = steps
-    return doc
-
-
-def _create(api, doc):
-    api.create(ETJ(doc), namespace=NAMESPACE)
-
-
-def _status(api, name="tiny") -> dict:
-    return dict(api.get(ETJ, name, namespace=NAMESPACE)).get("status") or {}
-
-
-def _set_status(api, fields, name="tiny"):
-    """The operator's move: a merge patch of its own status fields."""
-    api.patch(ETJ.Status, name, {"status": fields}, namespace=NAMESPACE,
-              patch_type=PatchType.MERGE)
-
-
-def _until(check, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 # ---- ControlLink --------------------------------------------------------------------------------
 
 
 def test_link_reads_the_job_and_follows_its_target(emulator, api):
-    _create(api, _job_doc())
+    create(api, job_doc())
     link = ControlLink("tiny", NAMESPACE, kubeconfig=str(emulator.kubeconfig), watch_timeout_s=1)
     try:
         job = link.job()
@@ -100,49 +51,49 @@ def test_link_reads_the_job_and_follows_its_target(emulator, api):
         assert link.target() is None
         link.start()
         target = {"workers": 3, "generation": 1, "join": ["tiny-worker-2"], "reason": "IdleGPUs"}
-        _set_status(api, {"target": target})
-        got = _until(link.target, 10, "the watch to see the target")
+        set_status(api, {"target": target})
+        got = until(link.target, 10, "the watch to see the target")
         assert got == Target(workers=3, generation=1, join=("tiny-worker-2",), reason="IdleGPUs")
-        _set_status(api, {"target": {**target, "generation": 2, "workers": 2, "join": [],
+        set_status(api, {"target": {**target, "generation": 2, "workers": 2, "join": [],
                                      "release": ["tiny-worker-1"]}})
-        _until(lambda: link.target().generation == 2, 10, "the second target")
+        until(lambda: link.target().generation == 2, 10, "the second target")
         assert link.target().release == ("tiny-worker-1",)
     finally:
         link.close()
 
 
 def test_publish_patches_only_agent_fields_and_at_most_every_interval(emulator, api):
-    _create(api, _job_doc())
+    create(api, job_doc())
     operator_fields = {"phase": "Running", "workers": 2,
                        "target": {"workers": 2, "generation": 0}}
-    _set_status(api, operator_fields)
-    operator_fields = {key: _status(api)[key] for key in operator_fields}  # as defaulted
+    set_status(api, operator_fields)
+    operator_fields = {key: status(api)[key] for key in operator_fields}  # as defaulted
     link = ControlLink("tiny", NAMESPACE, kubeconfig=emulator.url, publish_interval_s=1.0,
                        watch_timeout_s=1)
     link.start()
     try:
         link.publish(generation=0, members=("tiny-worker-0", "tiny-worker-1"))
-        _until(lambda: _status(api).get("generation") == 0, 5, "generation 0")
+        until(lambda: status(api).get("generation") == 0, 5, "generation 0")
         started = time.monotonic()
         for step in range(1, 21):  # faster than the interval: coalesced into one patch
             link.publish(step=step, loss=5.0 - step / 10, tokens_per_second=1000.0 + step)
             time.sleep(0.01)
-        _until(lambda: _status(api).get("step") == 20, 5, "step 20")
+        until(lambda: status(api).get("step") == 20, 5, "step 20")
         assert time.monotonic() - started >= 0.9  # held back until the interval was over
         # The publisher counts a patch once its response is in: the API may show it sooner.
-        _until(lambda: link.patches >= 2, 2, "the second patch to be counted")
+        until(lambda: link.patches >= 2, 2, "the second patch to be counted")
         assert link.patches == 2
         link.publish(step=21)
         link.publish(generation=1, members=("tiny-worker-0", "tiny-worker-1", "tiny-worker-2"))
-        _until(lambda: _status(api).get("generation") == 1, 0.8, "a new generation at once")
+        until(lambda: status(api).get("generation") == 1, 0.8, "a new generation at once")
     finally:
         link.close()
-    status = _status(api)
-    assert status["step"] == 21 and status["loss"] == pytest.approx(3.0)
-    assert status["tokensPerSecond"] == 1020.0
-    assert status["members"] == ["tiny-worker-0", "tiny-worker-1", "tiny-worker-2"]
+    final = status(api)
+    assert final["step"] == 21 and final["loss"] == pytest.approx(3.0)
+    assert final["tokensPerSecond"] == 1020.0
+    assert final["members"] == ["tiny-worker-0", "tiny-worker-1", "tiny-worker-2"]
     for key, value in operator_fields.items():  # the operator's fields are untouched
-        assert status[key] == value
+        assert final[key] == value
     with pytest.raises(ValueError, match="not agent-owned"):
         link.publish(target={"workers": 3, "generation": 1})
 
@@ -150,7 +101,7 @@ def test_publish_patches_only_agent_fields_and_at_most_every_interval(emulator, 
 def test_stragglers_go_to_status_events_and_metrics(emulator, api):
     """The leader's report of the straggler watch: status.stragglers, an Event per flag
     raised or cleared, and the per-member relative speed and straggler count as metrics."""
-    _create(api, _job_doc())
+    create(api, job_doc())
     link = ControlLink("tiny", NAMESPACE, kubeconfig=emulator.url, publish_interval_s=0.1,
                        watch_timeout_s=1)
     link.job()
@@ -168,20 +119,20 @@ def test_stragglers_go_to_status_events_and_metrics(emulator, api):
                            speeds={"tiny-worker-0": 1.0, "tiny-worker-1": 0.5}))
         flagged = [{"member": "tiny-worker-1", "slowdown": 2.125, "sinceStep": 12,
                     "release": False}]
-        _until(lambda: _status(api).get("stragglers") == flagged, 10, "the flag in status")
+        until(lambda: status(api).get("stragglers") == flagged, 10, "the flag in status")
         assert registry.get_sample_value(
             "tidal_agent_relative_speed", {**labels, "member": "tiny-worker-1"}) == 0.5
         assert registry.get_sample_value("tidal_agent_stragglers", labels) == 1
 
         report.put(Straggler(worker="tiny-worker-0", member="tiny-worker-1", step=20,
                              flagged=False, slowdown=1.1))
-        _until(lambda: _status(api).get("stragglers") == [], 10, "the flag cleared")
+        until(lambda: status(api).get("stragglers") == [], 10, "the flag cleared")
 
         def events():
             return sorted((e.reason, e.type, e.message) for e in api.list(Event, namespace=NAMESPACE)
                           if e.involvedObject.name == "tiny")
 
-        _until(lambda: len(events()) == 2, 10, "two Events")
+        until(lambda: len(events()) == 2, 10, "two Events")
         assert events() == [
             ("Straggler", "Warning", "step 12: tiny-worker-1 is a straggler: its decoder layers "
              "take 2.12x the other workers' median"),
@@ -200,10 +151,10 @@ def test_api_errors_are_retried_not_raised(emulator, api):
     try:
         link.publish(generation=0, step=3)
         time.sleep(1.0)
-        _create(api, _job_doc("late"))
-        _until(lambda: _status(api, "late").get("step") == 3, 10, "the retried patch")
-        _set_status(api, {"target": {"workers": 3, "generation": 1}}, name="late")
-        _until(link.target, 10, "the watch to find the job")
+        create(api, job_doc("late"))
+        until(lambda: status(api, "late").get("step") == 3, 10, "the retried patch")
+        set_status(api, {"target": {"workers": 3, "generation": 1}}, name="late")
+        until(link.target, 10, "the watch to find the job")
     finally:
         link.close()
     with closing(socket.socket()) as sock:  # a port nothing listens on
@@ -283,17 +234,17 @@ def test_generations_follow_targets_through_the_store():
         return lambda: probe.check([f"pod/{pod}"])
 
     run("j-worker-1")
-    _until(registered("j-worker-1"), 10, "worker-1 to register")
+    until(registered("j-worker-1"), 10, "worker-1 to register")
     run("j-worker-3")  # registers second: beyond min, so it waits in standby
-    _until(registered("j-worker-3"), 10, "worker-3 to register")
+    until(registered("j-worker-3"), 10, "worker-3 to register")
     run(leader)
-    _until(lambda: any(t[0] == leader and t[1] == 3 for t in trained), 10, "step 3")
+    until(lambda: any(t[0] == leader and t[1] == 3 for t in trained), 10, "step 3")
     # Scale up before the joiner exists: the leader goes on training until it registers.
     box["target"] = Target(workers=3, generation=1, join=("j-worker-2",))
     time.sleep(0.3)
     assert {t[2] for t in trained if len(t) == 5} == {0}
     run("j-worker-2")
-    _until(lambda: any(len(t) == 5 and t[2] == 1 for t in trained), 10, "generation 1")
+    until(lambda: any(len(t) == 5 and t[2] == 1 for t in trained), 10, "generation 1")
     # Scale down, releasing a member that is not the last one.
     box["target"] = Target(workers=2, generation=2, release=("j-worker-1",))
     for thread in threads.values():
@@ -346,8 +297,8 @@ def test_a_leader_asked_to_stop_halts_the_job_and_the_next_start_resumes(tmp_pat
         threads.append(threading.Thread(target=_drive, args=(src, me, steps, trained),
                                         daemon=True))
         threads[-1].start()
-        _until(lambda: src.store.check([f"pod/{me}"]), 10, f"{me} to register")
-    _until(lambda: any(t[0] == leader and t[1] == 5 for t in trained), 10, "step 5")
+        until(lambda: src.store.check([f"pod/{me}"]), 10, f"{me} to register")
+    until(lambda: any(t[0] == leader and t[1] == 5 for t in trained), 10, "step 5")
     stop.set()
     for thread in threads:
         thread.join(30)
@@ -542,105 +493,37 @@ def test_recovery_decisions_through_the_store(tmp_path):
 # ---- tidal agent, one process per pod ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Pods:
-    """Agent processes with a worker pod's environment, as the operator would start them."""
-
-    def __init__(self, url: str, logs: Path, *, job="tiny", report: Path | None = None):
-        self.url, self.logs, self.job, self.report = url, logs, job, report
-        self.port = _free_port()
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, index: int, *extra: str) -> str:
-        pod = f"{self.job}-worker-{index}"
-        env = {**os.environ, keys.ENV_JOB: self.job, keys.ENV_NAMESPACE: NAMESPACE,
-               keys.ENV_POD: pod, keys.ENV_RENDEZVOUS_HOST: "127.0.0.1",
-               keys.ENV_RENDEZVOUS_PORT: str(self.port), "OMP_NUM_THREADS": "1"}
-        args = [str(TIDAL), "agent", "--kubeconfig", self.url, "--publish-interval", "0.2",
-                "--timeout", "60"]
-        if index == 0 and self.report:
-            args += ["--report", str(self.report)]
-        args += extra
-        with open(self.logs / f"{pod}.log", "w") as log:
-            self.procs[pod] = subprocess.Popen(args, env=env, stdout=log,
-                                               stderr=subprocess.STDOUT, cwd=ROOT)
-        return pod
-
-    def log(self, pod: str) -> str:
-        return (self.logs / f"{pod}.log").read_text()
-
-    def wait(self, pod: str, timeout_s: float) -> int:
-        try:
-            return self.procs[pod].wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{pod} still runs:\n{self.log(pod)[-3000:]}") from None
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-class _Observer:
-    """The job's status as seen every 50 ms, in a thread: what the operator would watch."""
-
-    def __init__(self, api):
-        self.api, self.seen, self._stop = api, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            status = _status(self.api)
-            if not self.seen or status != self.seen[-1]:
-                self.seen.append(status)
-            time.sleep(0.05)
-
-    def until(self, check, timeout_s, what):
-        """The first status seen that passes ``check``."""
-        return _until(lambda: self.seen and check(self.seen[-1]) and self.seen[-1], timeout_s,
-                      what)
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(5)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api, tmp_path):
     from tidal_api import ScaleTable
 
     steps = 80
-    doc = _job_doc(steps=steps)
-    _create(api, doc)
-    pods = _Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json")
-    observer = _Observer(api)
+    doc = job_doc(steps=steps)
+    # A peer snapshot at every boundary, so at the shrink's: its leaver goes at once.
+    doc["spec"]["checkpoint"] = {"snapshotEverySteps": 1}
+    create(api, doc)
+    pods = Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json")
+    observer = Observer(api)
     # As the operator does: generation 0's target names the first pods, then they start.
     w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
-    _set_status(api, {"target": {"workers": 2, "generation": 0, "join": [w0, w1],
+    set_status(api, {"target": {"workers": 2, "generation": 0, "join": [w0, w1],
                                  "release": [], "reason": "Initial"}})
     try:
         for index in (2, 1, 0):  # the joiner first: the target, not the order, makes generation 0
             pods.start(index)
         observer.until(lambda s: s.get("members") == [w0, w1], 120, "generation 0")
         observer.until(lambda s: s.get("step", 0) >= 5, 60, "step 5")  # a few steps each
-        _set_status(api, {"target": {"workers": 3, "generation": 1, "join": [w2],
+        set_status(api, {"target": {"workers": 3, "generation": 1, "join": [w2],
                                      "reason": "IdleGPUs"}})
         grown = observer.until(lambda s: s.get("generation") == 1, 120, "generation 1")
         observer.until(lambda s: s.get("step", 0) >= grown["step"] + 5, 60, "5 more steps")
         # A merge patch that leaves the last target's join in place: a desired state, harmless.
-        _set_status(api, {"target": {"workers": 2, "generation": 2, "release": [w1],
+        set_status(api, {"target": {"workers": 2, "generation": 2, "release": [w1],
                                      "reason": "PendingGPUPods"}})
         observer.until(lambda s: s.get("generation") == 2, 60, "generation 2")
         assert pods.wait(w1, 60) == 0, pods.log(w1)
-        _finish(pods, observer, (w0, w2), steps)
+        finish(pods, observer, (w0, w2), steps)
     finally:
         observer.stop()
         pods.stop()
@@ -684,7 +567,7 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
     # w1's peer snapshot is with its keeper w2, which stays: w1 left at the boundary.
     assert [c["released_at_once"] for c in report["reconfigurations"]] == [False, True]
     assert pps == [2] * switches[0] + [3] * (switches[1] - switches[0]) + [2] * (steps - switches[1])
-    _assert_bits_of_a_static_run(report, doc, steps)
+    assert_bits_of_a_static_run(report, doc, steps)
 
 
 @pytest.mark.slow
@@ -696,12 +579,12 @@ def test_agents_replan_around_a_straggler_bitwise_as_a_static_run(emulator, api,
     re-partitions the same members under the operator's generation 0 (a revision the operator
     does not number), and back once the worker recovers, with the bits of a static run."""
     steps = 28
-    doc = _job_doc(steps=steps)
+    doc = job_doc(steps=steps)
     doc["spec"]["workers"]["min"] = 3
     doc["spec"]["stragglers"] = {"steps": 3, "factor": 2.0, "replan": True, "minGain": 0.05}
-    _create(api, doc)
-    pods = _Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json")
-    observer = _Observer(api)
+    create(api, doc)
+    pods = Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json")
+    observer = Observer(api)
     w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
     try:
         pods.start(2, "--slowdown", "4:14:20.0")
@@ -709,7 +592,7 @@ def test_agents_replan_around_a_straggler_bitwise_as_a_static_run(emulator, api,
         pods.start(0)
         flagged = observer.until(lambda s: s.get("stragglers"), 120, "the straggler in status")
         assert [(f["member"], f["release"]) for f in flagged["stragglers"]] == [(w2, True)]
-        _finish(pods, observer, (w0, w1, w2), steps)
+        finish(pods, observer, (w0, w1, w2), steps)
     finally:
         observer.stop()
         pods.stop()
@@ -729,41 +612,21 @@ def test_agents_replan_around_a_straggler_bitwise_as_a_static_run(emulator, api,
               if e.involvedObject.name == "tiny"}
     assert "asking the operator to release it" in events["Straggler"]
     assert {"StragglerRecovered", "Replanned"} <= set(events)
-    _assert_bits_of_a_static_run(report, doc, steps)
-
-
-def _finish(pods: _Pods, observer: _Observer, survivors, steps: int) -> None:
-    """The survivors train to the last step and exit 0."""
-    for pod in survivors:
-        assert pods.wait(pod, 180) == 0, pods.log(pod)
-    observer.until(lambda s: s.get("step") == steps, 10, "the final step")
-
-
-def _assert_bits_of_a_static_run(report: dict, doc: dict, steps: int) -> None:
-    """Every step once, with the losses and final parameters of a fixed 2-worker run."""
-    from tidal_agent.runner import run_local
-    from tidal_api import parse_job
-    from tidal_plan.layout import resolve_layout
-
-    assert [s["step"] for s in report["steps"]] == list(range(steps))
-    job = parse_job(doc)
-    static = run_local(job, resolve_layout(job, workers=2), steps=steps, timeout_s=120)
-    assert [s["loss_hex"] for s in report["steps"]] == [s["loss_hex"] for s in static["steps"]]
-    assert report["params_sha256"] == static["params_sha256"]
+    assert_bits_of_a_static_run(report, doc, steps)
 
 
 def _agent_env(pod="tiny-worker-0", **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+    env = checkout_env({k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")})
     return {**env, keys.ENV_JOB: "tiny", keys.ENV_NAMESPACE: NAMESPACE, keys.ENV_POD: pod,
-            keys.ENV_RENDEZVOUS_HOST: "127.0.0.1", keys.ENV_RENDEZVOUS_PORT: str(_free_port()),
+            keys.ENV_RENDEZVOUS_HOST: "127.0.0.1", keys.ENV_RENDEZVOUS_PORT: str(free_port()),
             **extra}
 
 
 def test_agent_refuses_what_it_cannot_run(emulator, api):
-    doc = _job_doc()
+    doc = job_doc()
     doc["spec"]["gpusPerWorker"] = 2
-    _create(api, doc)
-    run = [str(TIDAL), "agent", "--kubeconfig", str(emulator.kubeconfig)]
+    create(api, doc)
+    run = agent_command("--kubeconfig", str(emulator.kubeconfig))
     result = subprocess.run(run, env=_agent_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "spec.gpusPerWorker is 2: tidal agent runs one rank per pod" in result.stderr
@@ -776,26 +639,28 @@ def test_agent_refuses_what_it_cannot_run(emulator, api):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("snapshots", "elastic"), [(True, "pp"), (False, "pp"), (True, "dp-pp")],
-                         ids=["peer-snapshots", "checkpoints", "peer-snapshots-dp"])
+@pytest.mark.parametrize(("snapshots", "elastic"), [(False, "pp"), (True, "dp-pp")],
+                         ids=["checkpoints", "peer-snapshots-dp"])
 def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api, tmp_path,
                                                                   snapshots, elastic):
     """The fault path: a pod that does not drain and is deleted at the deadline, then a pod
     killed with no target at all. Each time the survivors go on without a restart, from the
     newest whole peer snapshot (every 2 steps here) or from the last checkpoint, and the
     run's losses and parameters are a static run's, bit for bit. With strict ``dp-pp`` the
-    planner's layouts (issue 25) go (4,1) -> (1,3) -> (2,1): the first loss is a replica's."""
+    planner's layouts (issue 25) go (4,1) -> (1,3) -> (2,1): the first loss is a replica's.
+    PP with peer snapshots: tests/integration/test_soak.py, 20 faults."""
     steps, every = 36, 4
-    doc = _job_doc(steps=steps)
+    doc = job_doc(steps=steps)
     doc["spec"]["parallelism"]["elastic"] = elastic
     shapes = ([(1, 4), (1, 3), (1, 2)] if elastic == "pp" else [(4, 1), (1, 3), (2, 1)])
     doc["spec"]["checkpoint"] = {"path": str(tmp_path / "ckpt"), "everySteps": every,
                                  "peerSnapshots": snapshots, "snapshotEverySteps": 2}
-    _create(api, doc)
-    pods = _Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json")
-    observer = _Observer(api)
+    create(api, doc)
+    pods = Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json",
+                args=("--lost-after", "1"))
+    observer = Observer(api)
     w0, w1, w2, w3 = (f"tiny-worker-{i}" for i in range(4))
-    _set_status(api, {"target": {"workers": 4, "generation": 0, "join": [w0, w1, w2, w3],
+    set_status(api, {"target": {"workers": 4, "generation": 0, "join": [w0, w1, w2, w3],
                                  "release": [], "reason": "Initial"}})
     try:
         for index in range(4):
@@ -806,7 +671,7 @@ def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api,
         observer.until(lambda s: s.get("step", 0) >= 6, 60, "step 6")
         # w3 hangs (it will not drain), is asked to leave, and is deleted at the deadline.
         pods.procs[w3].send_signal(signal.SIGSTOP)
-        _set_status(api, {"target": {"workers": 3, "generation": 1, "release": [w3],
+        set_status(api, {"target": {"workers": 3, "generation": 1, "release": [w3],
                                      "reason": "PendingGPUPods"}})
         time.sleep(1.0)
         pods.procs[w3].kill()
@@ -818,7 +683,7 @@ def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api,
         pods.procs[w1].kill()
         lost = observer.until(lambda s: s.get("members") == [w0, w2], 120, "the second recovery")
         assert lost["generation"] == 1
-        _finish(pods, observer, (w0, w2), steps)
+        finish(pods, observer, (w0, w2), steps)
     finally:
         observer.stop()
         pods.stop()
@@ -845,5 +710,5 @@ def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api,
     assert first["failed_at"] >= 6 and second["failed_at"] >= 14
     # Every step once in the final report (the replayed ones replace the lost ones), and the
     # bits of a run that never lost a worker.
-    _assert_bits_of_a_static_run(report, doc, steps)
+    assert_bits_of_a_static_run(report, doc, steps)
     assert "lost at step" in pods.log(w0) and "lost at step" in pods.log(w2)

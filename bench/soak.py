@@ -1,0 +1,92 @@
+"""The fault soak: a long run of a small job that loses a worker to SIGKILL again and again (at
+random moments, during switches and during snapshot exchanges) and must end with the bits of a
+run that lost none.
+
+The job runs as ``tidal agent`` processes against the Kubernetes API emulator, this script
+playing the operator: after each fault the survivors recover from the peer snapshots, and a
+spare pod waiting in standby is named by a grow target, back to ``--workers``. The loop is
+tests/integration/soak.py's (its 20-fault version runs in ``make test``); its module docstring
+says how the faults are timed and what a fault costs. The leader is never faulted: it hosts
+the rendezvous, and a lost leader is the job's restart path.
+
+Prints JSON: ``bitwise_equal`` (every step once, each loss and the final parameters those of a
+fault-free 2-worker run), the summary (faults by kind, steps replayed per fault, recovery
+pauses, wall time) and, per fault, its kind, victim, the step it failed at and resumed from,
+and the pause. Exits 1 where the bits differ. Progress goes to stderr.
+
+    python bench/soak.py [--faults 1000] [--seed 0] [--workers 3] [--steps-per-fault 24]
+                         [--snapshot-every 1] [--lost-after 1] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
+sys.path[:0] = [*SOURCES, str(ROOT)]
+# The static run's workers fork from a server (tidal_agent.runner.worker_processes) that
+# imports from PYTHONPATH, not from this sys.path (Python 3.11's forkserver drops it): without
+# this, in a second checkout, they would train an installed checkout's code.
+os.environ["PYTHONPATH"] = os.pathsep.join([*SOURCES, os.environ.get("PYTHONPATH", "")]).rstrip(
+    os.pathsep)
+
+from tests.integration.agents import crd_client  # noqa: E402
+from tests.integration.soak import FaultSoak, SoakConfig  # noqa: E402
+from tidal_api import JobSpecError  # noqa: E402
+from tidal_kube.serving import EmulatorThread  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=3, help="the job's pods: 3 or 4")
+    parser.add_argument("--steps-per-fault", type=int, default=24,
+                        help="the job's length, in steps per fault (its pace)")
+    parser.add_argument("--snapshot-every", type=int, default=1,
+                        help="spec.checkpoint.snapshotEverySteps (0: the agent's default, an "
+                             "interval chosen from the snapshots' measured cost)")
+    parser.add_argument("--lost-after", type=float, default=1.0,
+                        help="the agents' --lost-after: seconds of heartbeat silence")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="the agents' logs and the leader's report (default: a temporary "
+                             "directory, kept)")
+    args = parser.parse_args()
+    try:
+        config = SoakConfig(faults=args.faults, seed=args.seed, workers=args.workers,
+                            steps_per_fault=args.steps_per_fault,
+                            snapshot_every=args.snapshot_every or None,
+                            lost_after_s=args.lost_after)
+    except (ValueError, JobSpecError) as err:
+        parser.error(str(err))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tidal-soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"soak: {config.faults} faults, {config.steps} steps, logs in {workdir}",
+          file=sys.stderr, flush=True)
+
+    def progress(line: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
+
+    with EmulatorThread(kubeconfig=workdir / "kubeconfig") as emulator:
+        api = crd_client(emulator)
+        try:
+            run = FaultSoak(config, api=api, kubeconfig=str(emulator.kubeconfig),
+                            workdir=workdir, progress=progress).run()
+        finally:
+            api.close()
+    summary = run.summary()
+    print(json.dumps({**summary, "per_fault": [f.record() for f in run.faults]}, indent=2))
+    if not summary["bitwise_equal"]:
+        progress(f"not a fault-free run's bits: {run.differs}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
