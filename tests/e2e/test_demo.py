@@ -178,10 +178,10 @@ def test_demo_grows_and_shrinks_through_the_operator_bitwise_as_a_static_run(tmp
         assert running <= named, (status, pods)
         if target["generation"] == generation and running == set(members):
             settled.add(generation)
-    # Generation 0, a scale-up and a scale-down: the samples see at least two of them; a
-    # generation shorter than a sample's period (0.3 s, on a loaded machine) is in the report.
-    applied = generations | {c["generation"] for c in result["reconfigurations"]}
-    assert len(generations) >= 2 and len(applied) >= 3, (generations, applied)
+    # Generation 0, a scale-up and a scale-down (the report's grow and shrink, above): the
+    # samples see at least two of them; one shorter than a sample's period (0.3 s, on a loaded
+    # machine) they may miss.
+    assert len(generations) >= 2, generations
     assert settled - {0}, (generations, settled)
 
 
