@@ -141,7 +141,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         wait_for_workers=False, timeout=timedelta(seconds=timeout_s), use_libuv=True,
     ) if leading else None
     rendezvous = Rendezvous(host=identity.rendezvous_host, port=identity.rendezvous_port,
-                            prefix=f"{identity.job}/", timeout_s=timeout_s, backend=backend)
+                            prefix=f"{identity.job}/", timeout_s=timeout_s, transport=backend)
     report = AgentReport(link if leading else None, metrics=metrics,
                          tokens_per_step=spec.training.global_batch_size * spec.model.seq_len)
     device = load_device(plan_device)

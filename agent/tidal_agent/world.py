@@ -30,7 +30,15 @@ class Rendezvous:
     port: int
     prefix: str
     timeout_s: float = 120.0
-    backend: str = "gloo"
+    # How the job's ranks talk (tidal_agent.transport): "gloo" (CPU), "nccl" (one rank per
+    # GPU), "host" (CUDA compute, gloo through pinned host buffers: ranks may share a GPU) or
+    # "nccl-model" (gloo under NCCL's rules, a test transport).
+    transport: str = "gloo"
+
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend under the transport."""
+        return "nccl" if self.transport == "nccl" else "gloo"
 
     def connect(self) -> dist.Store:
         store = dist.TCPStore(
