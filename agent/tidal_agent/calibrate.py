@@ -33,6 +33,7 @@ from tidal_agent.model import Unit, UnitContext
 from tidal_agent.optim import build_adamw
 from tidal_agent.profiler import CALIBRATED
 from tidal_agent.trainer import Trainer
+from tidal_agent.transport import recv, send
 
 
 def calibrate_stage(
@@ -144,9 +145,6 @@ def calibrate_trainer(trainer: Trainer, repeats: int = 5) -> list[dict]:
     return [{**stage, "messages": messages} for stage in stages]
 
 
-_MESSAGE_TAG = 5_000_000  # above the step's tags and the ping-pong's
-
-
 def time_messages(trainer: Trainer, repeats: int = 20, busy_s: float = 0.002) -> dict:
     """What an activation-sized message costs between pipeline neighbours, both orders.
 
@@ -175,32 +173,26 @@ def time_messages(trainer: Trainer, repeats: int = 20, busy_s: float = 0.002) ->
             continue
         sender = me == first
         peer = trainer.runtime.group_ranks[first + 1 if sender else first]
-        tags = iter(range(_MESSAGE_TAG + 1000 * first, _MESSAGE_TAG + 1000 * (first + 1)))
+        legs = [send(buf, peer), recv(buf, peer)]
         for i in range(repeats + 1):  # the first exchange sets the pair up: not counted
             started, cpu_started = time.perf_counter(), time.process_time()
-            out, back = next(tags), next(tags)
-            if sender:
-                world.send(buf, peer, out).wait()
-                world.recv(buf, peer, back).wait()
-            else:
-                world.recv(buf, peer, out).wait()
-                world.send(buf, peer, back).wait()
+            for leg in legs if sender else legs[::-1]:  # one message at a time, in turn
+                world.exchange([leg]).wait()
             if i:
                 latency.append((time.perf_counter() - started) / 2)
                 cpu.append((time.process_time() - cpu_started) / 2)
-        stream = [next(tags) for _ in range(repeats)]
         if sender:
-            works = []
-            for tag in stream:
+            posted = []
+            for _ in range(repeats):
                 _compute(busy_s)
-                works.append(world.send(buf, peer, tag))
-            for work in works:
-                work.wait()
+                posted.append(world.exchange([send(buf, peer)]))
+            for exchange in posted:
+                exchange.wait()
         else:
-            for tag, into in zip(stream, bufs, strict=True):
+            for into in bufs:
                 _compute(1.5 * busy_s)
                 started = time.perf_counter()
-                world.recv(into, peer, tag).wait()
+                world.exchange([recv(into, peer)]).wait()
                 rendezvous.append(time.perf_counter() - started)
     world.barrier()
 
@@ -222,9 +214,9 @@ def _compute(seconds: float) -> None:
 def time_collectives(trainer: Trainer, repeats: int = 5) -> float:
     """Median seconds of the step's two all-reduces: the gradient norms and the step loss."""
     layout = trainer.layout
-    norms = torch.zeros(trainer.num_params)
+    norms = torch.zeros(trainer.num_params, device=trainer.device)
     table = torch.zeros(layout.num_micro_batches * layout.dp, trainer._num_loss_units,
-                        dtype=torch.float64)
+                        dtype=torch.float64, device=trainer.device)
     times = []
     trainer.world.barrier()
     for _ in range(repeats + 1):

@@ -168,6 +168,20 @@ class LogicalReplicaGradients:
         return out
 
 
+def tree_pairs(dp_world: World) -> list[World]:
+    """This replica's two-member groups of the strict tree's recursive doubling, one per
+    level (dp a power of two; none otherwise), in the order every member builds them."""
+    dp, rank = dp_world.size, dp_world.rank
+    if dp & (dp - 1):
+        return []
+    pairs = []
+    for level in range(dp.bit_length() - 1):
+        a, b = sorted((rank, rank ^ (1 << level)))
+        pairs.append(dp_world.subgroup(f"tree{level}.{a}", (dp_world.members[a],
+                                                            dp_world.members[b])))
+    return pairs
+
+
 class GradientReducer:
     """Sums the data-parallel replicas' gradients, through one flat buffer kept across steps.
 
@@ -190,10 +204,7 @@ class GradientReducer:
         self.pairs: list[World] = []
         self.chunk = n
         if strict and not self.subtrees and dp & (dp - 1) == 0:
-            for level in range(dp.bit_length() - 1):
-                a, b = sorted((rank, rank ^ (1 << level)))
-                members = (dp_world.members[a], dp_world.members[b])
-                self.pairs.append(dp_world.subgroup(f"tree{level}.{a}", members))
+            self.pairs = tree_pairs(dp_world)
         elif strict:
             self.chunk = -(-n // dp)
         like = self.params[0]

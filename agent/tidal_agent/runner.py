@@ -96,6 +96,7 @@ def run_elastic(
     watch_stragglers: bool = True,
     sharing_probe: bool = True,
     on_profile: Callable[[Profiled], None] | None = None,
+    transport: str = "gloo",
 ) -> dict[str, Any]:
     """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
@@ -110,7 +111,7 @@ def run_elastic(
     ``watch_stragglers=False`` turns the straggler watch off (to measure what it costs).
     With ``profile_out`` every generation profiles its first steps (``on_profile`` hears of
     each), and the first profile gets the host's sharing probe unless ``sharing_probe`` is
-    off.
+    off. ``transport``: how the workers talk (tidal_agent.transport).
     """
     if unit_seconds is None and job.spec.stragglers.replan:
         from tidal_plan.devices import load_device
@@ -124,7 +125,7 @@ def run_elastic(
     opts = WorkerOptions(
         rendezvous=Rendezvous(host="127.0.0.1", port=store.port,
                               prefix=f"run-{os.getpid()}-{time.monotonic_ns()}/",
-                              timeout_s=timeout_s),
+                              timeout_s=timeout_s, transport=transport),
         generations=tuple(gens),
         layouts=tuple(layouts),
         steps=steps,

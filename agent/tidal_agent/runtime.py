@@ -9,12 +9,11 @@ split backward (I then W) is torch.distributed.pipelining's (``stage_backward_in
 I captured rather than running the backward again, and computes the same numbers as a fused B
 (the zero-bubble cases of the bitwise tests check it).
 
-Communication is point-to-point: SEND posts a non-blocking send, RECV posts a receive that is
-waited for when the consuming compute action runs. Messages carry a tag derived from
-``tidal_plan.lowering.message`` (payload, producing stage, micro-batch), the planner's own
-definition of which send meets which receive, so that the transport matches them whatever
-their order (gloo); backends that match in order (NCCL) need FIFO-consistent lists, which the
-runtime checks.
+Communication is point-to-point and keeps NCCL's rules whatever the transport: the rank's
+plan (tidal_plan.exchanges) groups each run of consecutive SENDs and RECVs into one exchange,
+posted at once without waiting; a receive is waited for when the consuming compute action
+runs, the sends at the step's end. Messages carry no tag: the transport matches them in
+posting order, and the plan orders both ends of every pair alike.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from tidal_agent.data import BatchSource
@@ -32,8 +30,9 @@ from tidal_agent.model import StageModule, UnitContext
 from tidal_agent.profiler import UnitProfiler
 from tidal_agent.world import World
 from tidal_api.layout import Layout
+from tidal_agent.transport import P2P, Posted
+from tidal_plan.exchanges import Step, peer_stage
 from tidal_plan.ir import Action, Kind
-from tidal_plan.lowering import message
 
 
 @dataclass(slots=True)
@@ -50,10 +49,10 @@ class _StepState:
     # Per (stage, mb): the gradients I captured at the weight-consuming nodes, for W.
     weight_groups: dict[tuple[int, int], list[dict]] = field(default_factory=dict)
     input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    pending: dict[tuple[Kind, int, int], tuple[dist.Work, torch.Tensor]] = field(
+    pending: dict[tuple[Kind, int, int], tuple[Posted, torch.Tensor]] = field(
         default_factory=dict
     )
-    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    sends: list[tuple[Posted, list[torch.Tensor]]] = field(default_factory=list)
     loss_values: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
 
 
@@ -93,31 +92,33 @@ class PipelineRuntime:
             Kind.B: self._backward_full,
             Kind.I: self._backward_input,
             Kind.W: self._backward_weight,
-            Kind.SEND_F: self._send_forward,
-            Kind.SEND_B: self._send_backward,
-            Kind.RECV_F: self._recv,
-            Kind.RECV_B: self._recv,
         }
 
     # -- step -----------------------------------------------------------------------------
 
-    def run_step(self, step: int, actions: list[Action]) -> dict[tuple[int, int], list[float]]:
-        """Run one step's actions; return the loss values of this rank's loss units.
+    def run_step(self, step: int, plan: list[Step]) -> dict[tuple[int, int], list[float]]:
+        """Run one step's plan (compute actions and groups of communication actions); return
+        the loss values of this rank's loss units.
 
         Keys are (stage, global micro-batch); values are the scaled losses of the stage's loss units in
         unit order. Parameter gradients are left accumulated in ``.grad``.
         """
         self._step, self._state = step, _StepState()
         profiler = self.profiler
-        for action in actions:
-            if profiler is None:
-                self._handlers[action.kind](action)
-            else:
-                started = time.perf_counter()
-                self._handlers[action.kind](action)
-                profiler.action_done(action, time.perf_counter() - started)
-        for work, _ in self._state.sends:
-            work.wait()
+        for item in plan:
+            started = time.perf_counter() if profiler is not None else 0.0
+            if isinstance(item, Action):
+                self._handlers[item.kind](item)
+                if profiler is not None:
+                    profiler.action_done(item, time.perf_counter() - started)
+                continue
+            self._post(item)
+            if profiler is not None:  # the group's posting, shared among its actions
+                seconds = (time.perf_counter() - started) / len(item)
+                for action in item:
+                    profiler.action_done(action, seconds)
+        for posted, _ in self._state.sends:
+            posted.wait()
         values = {
             (s, self.mb_offset + m): [float(v) for v in vs]
             for (s, m), vs in self._state.loss_values.items()
@@ -234,41 +235,36 @@ class PipelineRuntime:
 
     # -- communication --------------------------------------------------------------------
 
-    def _tag(self, action: Action) -> int:
-        """An integer tag for the message of ``action``, the same at both of its ends."""
-        payload, stage, mb = message(action)
-        direction = 0 if payload is Kind.F else 1
-        return (direction * self.layout.num_stages + stage) * self.layout.num_micro_batches + mb
-
-    def _send_forward(self, action: Action) -> None:
-        s, m = action.stage, action.mb
-        out = self._state.outputs[(s, m)].detach().contiguous()
-        dst = self.group_ranks[self.layout.stage_rank(s + 1)]
-        work = self.world.send(out, dst, self._tag(action))
-        self._state.sends.append((work, out))
-
-    def _send_backward(self, action: Action) -> None:
-        s, m = action.stage, action.mb
-        gx = self._state.input_grads.pop((s, m)).contiguous()
-        dst = self.group_ranks[self.layout.stage_rank(s - 1)]
-        work = self.world.send(gx, dst, self._tag(action))
-        self._state.sends.append((work, gx))
-
-    def _recv(self, action: Action) -> None:
-        s, m = action.stage, action.mb
-        src_stage = s - 1 if action.kind is Kind.RECV_F else s + 1
-        src = self.group_ranks[self.layout.stage_rank(src_stage)]
-        buf = torch.empty(self.activation_shape, device=self.device)
-        work = self.world.recv(buf, src, self._tag(action))
-        self._state.pending[(action.kind, s, m)] = (work, buf)
+    def _post(self, group: tuple[Action, ...]) -> None:
+        """Post a group of SENDs and RECVs as one exchange."""
+        st, ops, sent, received = self._state, [], [], []
+        for action in group:
+            s, m = action.stage, action.mb
+            peer = self.group_ranks[self.layout.stage_rank(peer_stage(action))]
+            if action.kind is Kind.SEND_F:
+                tensor = st.outputs[(s, m)].detach().contiguous()
+            elif action.kind is Kind.SEND_B:
+                tensor = st.input_grads.pop((s, m)).contiguous()
+            else:
+                tensor = torch.empty(self.activation_shape, device=self.device)
+                received.append((action, tensor))
+                ops.append(P2P(False, tensor, peer))
+                continue
+            sent.append(tensor)
+            ops.append(P2P(True, tensor, peer))
+        posted = self.world.exchange(ops)
+        for action, tensor in received:
+            st.pending[(action.kind, action.stage, action.mb)] = (posted, tensor)
+        if sent:
+            st.sends.append((posted, sent))  # the tensors live until the sends are done
 
     def _take_received(self, kind: Kind, s: int, m: int, local: dict) -> torch.Tensor:
         """The tensor for (s, m): from a posted receive, else handed over on this rank."""
         posted = self._state.pending.pop((kind, s, m), None)
         if posted is not None:
-            work, buf = posted
+            exchange, buf = posted
             started = time.perf_counter()
-            work.wait()
+            exchange.wait()
             if self.profiler is not None:
                 self.profiler.waited(time.perf_counter() - started)
             return buf

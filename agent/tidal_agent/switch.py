@@ -2,8 +2,8 @@
 
 ``state_metadata`` describes every state tensor of the model for the pure planner
 (tidal_plan.reshard); ``carry_over`` hands what a worker keeps to its new trainer without a
-copy; ``execute_reshard`` runs the plan's buckets as batched point-to-point transfers over the
-transition world.
+copy; ``execute_reshard`` runs the plan's buckets over the transition world, each bucket one
+exchange (one group of sends and receives, tidal_agent.transport).
 Parameters, AdamW moments and AdamW's step move; gradients never do (a switch happens at a step
 boundary, where there are none); data position, learning rate and dropout are functions of the
 step and need no state.
@@ -19,6 +19,7 @@ import torch
 
 from tidal_agent.model import global_parameters
 from tidal_agent.trainer import STATE_KEYS, Trainer
+from tidal_agent.transport import P2P, recv, send
 from tidal_agent.world import World
 from tidal_api import ModelSpec
 from tidal_plan.reshard import ReshardPlan, TensorMeta, bucketize
@@ -81,28 +82,35 @@ def execute_reshard(
     senders, held = senders or {}, held or {}
     sent = received = 0
     buckets = bucketize(plan, bucket_bytes)
-    tag = 0
+    device = world.device
     for bucket in buckets:
-        works = []
+        ops: list[P2P] = []
+        landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, where it lands)
         for transfer in bucket:
-            tag += 1
             region = slice(transfer.region.start, transfer.region.stop)
             src = senders.get(transfer.src, transfer.src)
             if src == me:
                 state = old_state if transfer.src == me else held[transfer.src]
-                # A held copy is in host memory: to the world's device to be sent (no-op on CPU)
-                piece = state[transfer.tensor].view(-1)[region].to(world.device)
+                # A held copy is in host memory, AdamW's step a CPU scalar: to the world's device
+                piece = state[transfer.tensor].view(-1)[region].to(device)
                 if transfer.dst == me:
                     new_state[transfer.tensor].view(-1)[region].copy_(piece)
                     continue
-                works.append(world.send(piece, rank[transfer.dst], tag))
+                ops.append(send(piece, rank[transfer.dst]))
                 sent += transfer.nbytes
             if transfer.dst == me:
                 target = new_state[transfer.tensor].view(-1)[region]
-                works.append(world.recv(target, rank[src], tag))
+                into = target if target.device.type == device.type else torch.empty_like(
+                    target, device=device)
+                if into is not target:
+                    landing.append((target, into))
+                ops.append(recv(into, rank[src]))
                 received += transfer.nbytes
-        for work in works:
-            work.wait()
+        # One group per bucket: its sends and receives with every peer posted together, in
+        # the bucket's order at every member, as NCCL needs.
+        world.exchange(ops).wait()
+        for target, into in landing:
+            target.copy_(into)
     return TransferStats(time.perf_counter() - started, sent, received, len(buckets))
 
 

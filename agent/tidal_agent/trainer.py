@@ -24,14 +24,16 @@ from tidal_agent.optim import (
     build_adamw,
     clip_grad_norm,
     lr_at,
+    tree_pairs,
 )
 from tidal_agent.runtime import PipelineRuntime
+from tidal_agent.transport import recv, send
 from tidal_agent.world import World
 from tidal_api import JobSpec
 from tidal_api.layout import Layout
 from tidal_plan.dryrun import plan_step
 from tidal_plan.elastic import logical_replicas, replica_subtrees
-from tidal_plan.lowering import fifo_consistent, receive_early
+from tidal_plan.exchanges import exchange_plan, nccl_deadlock, nccl_order
 
 
 def batch_source(spec: JobSpec) -> BatchSource:
@@ -60,9 +62,6 @@ class TiedGradients:
         self.world, self.first, self.last = world, params.get(first), params.get(last)
         ranks = [replica * layout.pp + layout.stage_rank(s) for s in (0, layout.num_stages - 1)]
         self.peer = ranks[1] if world.rank == ranks[0] else ranks[0]
-        # Past the pipeline's tags, whichever replica's pipeline is the longest.
-        self.tag = 2 * layout.num_stages * max(
-            layout.replica_micro_batches(r) for r in range(layout.dp))
 
     def sum(self) -> None:
         if self.first is not None and self.last is not None:
@@ -72,14 +71,44 @@ class TiedGradients:
         else:
             mine = (self.first if self.first is not None else self.last).grad
             theirs = torch.empty_like(mine)
-            works = [self.world.send(mine, self.peer, self.tag),
-                     self.world.recv(theirs, self.peer, self.tag)]
-            for work in works:
-                work.wait()
+            # One group at both ends: posted one by one, both sends would wait for a receive
+            # queued behind the other's send (NCCL).
+            self.world.exchange([send(mine, self.peer), recv(theirs, self.peer)]).wait()
             total = mine + theirs if self.first is not None else theirs + mine
         for param in (self.first, self.last):
             if param is not None:
                 param.grad.copy_(total)
+
+
+def exchange_plans(pipeline: Layout) -> dict[int, list]:
+    """Each pipeline rank's plan for one step of ``pipeline`` (one replica's): its lowered
+    actions, the receives ordered as NCCL needs and each run of communication one group
+    (tidal_plan.exchanges); refused where NCCL's rules would stop it, whatever the transport,
+    so a layout that runs here runs on NCCL."""
+    lowered = nccl_order(pipeline, plan_step(pipeline))
+    plans = {rank: exchange_plan(actions) for rank, actions in lowered.items()}
+    stuck = nccl_deadlock(pipeline, plans)
+    if stuck is not None:
+        raise ValueError(f"{pipeline.describe()}: {stuck}")
+    return plans
+
+
+def dp_world(world: World, layout: Layout) -> World | None:
+    """The data-parallel group of this rank's pipeline rank under ``layout`` (None at dp 1),
+    and the pairs its strict reduction needs: built once per world, by the world's builder
+    ahead of a switch (``prepare_subgroups``)."""
+    if layout.dp == 1:
+        return None
+    pp_rank = world.rank % layout.pp
+    peers = tuple(world.members[r * layout.pp + pp_rank] for r in range(layout.dp))
+    return world.subgroup(f"dp{pp_rank}", peers)
+
+
+def prepare_subgroups(world: World, layout: Layout, strict: bool) -> None:
+    """Build the subgroups a trainer of ``layout`` will use in ``world``, now."""
+    group = dp_world(world, layout)
+    if group is not None and strict and not layout.shares:
+        tree_pairs(group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,15 +170,7 @@ class Trainer:
                     exp_avg=torch.empty_like(param),
                     exp_avg_sq=torch.empty_like(param),
                 )
-        lowered = plan_step(layout.replica_pipeline(self.replica))
-        if world.rendezvous.backend == "nccl" and not fifo_consistent(lowered):
-            raise ValueError(
-                f"{layout.describe()}: NCCL matches messages in order and this schedule's "
-                "sends and receives are not in the same order; use gloo or another schedule"
-            )
-        self.actions = lowered[pp_rank]
-        if world.rendezvous.backend != "nccl":  # gloo matches by tag: post receives sooner
-            self.actions = receive_early(self.actions)
+        self.plan = exchange_plans(layout.replica_pipeline(self.replica))[pp_rank]
         mbs, t = spec.training.micro_batch_size, model.seq_len
         self.runtime = PipelineRuntime(
             layout=layout,
@@ -163,10 +184,7 @@ class Trainer:
             activation_shape=(mbs, t, model.d_model),
             replica=self.replica,
         )
-        self.dp_world = None
-        if layout.dp > 1:
-            peers = tuple(world.members[r * layout.pp + pp_rank] for r in range(layout.dp))
-            self.dp_world = world.subgroup(f"dp{pp_rank}", peers)
+        self.dp_world = dp_world(world, layout)
         # Strict consistency sums gradients over logical replicas in a fixed tree; relaxed
         # takes the backend's all-reduce over the physical ones.
         self.strict = spec.parallelism.consistency == "strict"
@@ -206,7 +224,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         started = time.perf_counter()
-        loss_values = self.runtime.run_step(step, self.actions)
+        loss_values = self.runtime.run_step(step, self.plan)
         pipelined = time.perf_counter()
         if self._logical is not None and not self._subtrees:
             self._logical.finish()
@@ -307,11 +325,11 @@ class Trainer:
             for i in range(repeats + 1):
                 started = time.perf_counter()
                 if self.pp_rank == first:
-                    self.world.send(buf, peer, 1_000_000 + i).wait()
-                    self.world.recv(buf, peer, 2_000_000 + i).wait()
+                    self.world.exchange([send(buf, peer)]).wait()
+                    self.world.exchange([recv(buf, peer)]).wait()
                 else:
-                    self.world.recv(buf, peer, 1_000_000 + i).wait()
-                    self.world.send(buf, peer, 2_000_000 + i).wait()
+                    self.world.exchange([recv(buf, peer)]).wait()
+                    self.world.exchange([send(buf, peer)]).wait()
                 if i:  # the first exchange sets the connection up
                     times.append((time.perf_counter() - started) / 2)
             if self.pp_rank == first:

@@ -72,9 +72,9 @@ from tidal_agent.recovery import rebuild, save_cut
 from tidal_agent.snapshot import Cut, PeerSnapshots
 from tidal_agent.stragglers import StragglerWatch
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
-from tidal_agent.trainer import Trainer
-from tidal_agent.world import (Rendezvous, World, WorldBuilder, build_world, drop_default_group,
-                               ensure_default_group)
+from tidal_agent.trainer import Trainer, prepare_subgroups
+from tidal_agent.world import (Rendezvous, World, WorldBuilder, abort_worlds, build_world,
+                               drop_default_group, ensure_default_group)
 from tidal_api import JobSpec, keys
 from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation
@@ -235,13 +235,13 @@ class _Worker:
         self._gen, self._step = gen, gen.at_step
         if previous is None:
             resume = self.source.resume_from
-            world = self._world(gen.index, gen.members, gen.world)
+            world = self._world(gen, gen.world)
             trainer = self._trainer(gen, world, initialise=resume is None)
             step = checkpoint.load(trainer, resume) if resume else gen.at_step
             self.events.put(Ready(worker=self.me, step=step))
         else:  # a joiner: standby in the new world until the old members arrive
             self.events.put(Ready(worker=self.me, step=None))
-            world = self._world(gen.index, gen.members, gen.world)
+            world = self._world(gen, gen.world)
             trainer = self._trainer(gen, world, initialise=False)
             self._reshard(self._plan(previous, gen), world, None, trainer)
             step = gen.at_step
@@ -355,6 +355,9 @@ class _Worker:
             # neighbour lost) does not; the failure itself is this one.
             with contextlib.suppress(RuntimeError):
                 self.snapshots.settle()
+        # Aborted, every world of the failed generation (the next one's too, if built) lets its
+        # members still blocked on this one fail now, NCCL's included, rather than at the timeout.
+        abort_worlds()
         traceback.clear_frames(err.__traceback__)
         drop_default_group()
         gc.collect()
@@ -380,7 +383,7 @@ class _Worker:
         """Go on in the survivors' generation from the peer snapshots, a checkpoint or step 0."""
         gen = recovery.generation
         self._gen, self._step = gen, gen.at_step
-        world = self._world(gen.index, gen.members, recovery.world)
+        world = self._world(gen, recovery.world)
         fresh = recovery.checkpoint is None and recovery.snapshot is None
         trainer = self._trainer(gen, world, initialise=fresh)
         if recovery.snapshot is not None:
@@ -481,12 +484,21 @@ class _Worker:
         if self.me not in following.members:
             return None
         return WorldBuilder(self.opts.rendezvous, following.index, following.members, self.me,
-                            name=following.world, cpu_group=self.snapshots is not None)
+                            name=following.world, cpu_group=self.snapshots is not None,
+                            prepare=self._subgroups(following))
 
-    def _world(self, generation: int, members: tuple[str, ...], name: str) -> World:
-        """Join a generation's world (with a CPU group for the peer snapshots' swaps)."""
-        return build_world(self.opts.rendezvous, generation, members, self.me, name=name,
-                           cpu_group=self.snapshots is not None)
+    def _world(self, gen: Generation, name: str) -> World:
+        """Join a generation's world (with a CPU group for the peer snapshots' swaps), and the
+        subgroups its layout needs."""
+        world = build_world(self.opts.rendezvous, gen.index, gen.members, self.me, name=name,
+                            cpu_group=self.snapshots is not None)
+        self._subgroups(gen)(world)
+        return world
+
+    def _subgroups(self, gen: Generation) -> Callable[[World], None]:
+        """What builds the subgroups of ``gen``'s layout in its world."""
+        return partial(prepare_subgroups, layout=self.source.layout(gen),
+                       strict=self.spec.parallelism.consistency == "strict")
 
     def _plan(self, old: Generation, new: Generation) -> ReshardPlan:
         """A switch's reshard plan, made ahead of it rather than during the pause."""
@@ -516,6 +528,8 @@ class _Worker:
         if new_trainer is not None:
             carry_over(plan, self.me, trainer, new_trainer)
         stats = self._reshard(plan, transition, trainer, new_trainer, cut)
+        if new_world is not world:
+            world.close()  # its communicators now, not whenever the collector gets to them
         if self.leader:
             self.events.put(Reconfigured(
                 worker=self.me, at_step=new.at_step, generation=new.index, members=new.members,

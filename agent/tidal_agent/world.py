@@ -1,10 +1,12 @@
 """Communication worlds, one per generation of a job's membership.
 
 A ``World`` is a process group over an ordered tuple of member ids, built directly on a
-``PrefixStore`` of the job's long-lived rendezvous store (``gen<g>/<name>/``). Unlike the
-default process group, any number of worlds can exist at once, so the next generation's world
-can be built in a background thread while the current one trains, and subgroups (the DP group
-of a pipeline rank) need no participation from non-members.
+``PrefixStore`` of the job's long-lived rendezvous store (``gen<g>/<name>/``), and the
+transport that carries its traffic (tidal_agent.transport). Unlike the default process group,
+any number of worlds can exist at once, so the next generation's world can be built in a
+background thread while the current one trains, and subgroups (the DP group of a pipeline
+rank) need no participation from non-members. A world's communicators are all built where
+the world is (NCCL's connected eagerly); a failed world is aborted (``abort_worlds``).
 
 Checkpoints go through torch.distributed.checkpoint, which wants the default process group:
 ``ensure_default_group`` (re)initialises it for a generation: the worker does so as it builds
@@ -15,11 +17,15 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tidal_agent.transport import P2P, Posted, Transport, build_transport
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,14 +59,18 @@ class World:
     generation: int
     members: tuple[str, ...]
     rank: int
-    pg: dist.ProcessGroup
+    transport: Transport
     store: dist.Store = field(repr=False)
     rendezvous: Rendezvous = field(repr=False)
     name: str = "train"  # with the generation, the world's store prefix: unique per world
     # A gloo group over the same members for background transfers through host memory (the
     # peer snapshots' swap): its own connections, so nothing of the training's queues behind
-    # them, whatever the backend. Built with the world where asked (``build_world``).
+    # them, whatever the transport. Built with the world where asked (``build_world``).
     cpu: dist.ProcessGroup | None = field(default=None, repr=False)
+    _subgroups: dict[str, World] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        _open.add(self)
 
     @property
     def size(self) -> int:
@@ -68,44 +78,93 @@ class World:
 
     @property
     def device(self) -> torch.device:
-        """Where the tensors this world's group sends and receives must be."""
-        if self.rendezvous.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """Where the tensors given to this world's exchanges and collectives must be: the
+        ranks' compute device (the host transport stages them through host memory itself)."""
+        return self.transport.device
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
-        return self.pg.send([tensor], dst, tag)
+    def _check(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            if tensor.device.type != self.device.type:
+                raise ValueError(
+                    f"a {tensor.device} tensor reached world {self.name}{self.generation} "
+                    f"({self.transport.name}), whose tensors must be on {self.device}")
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
-        return self.pg.recv([tensor], src, tag)
+    def exchange(self, ops: Sequence[P2P]) -> Posted:
+        """Post ``ops`` (sends and receives, to and from world ranks) as one group; the peer
+        of each must post the matching group, its operations with this rank in the same order
+        (tidal_agent.transport)."""
+        self._check(*(op.tensor for op in ops))
+        return self.transport.exchange(ops)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        self.pg.allreduce([tensor]).wait()
+        self._check(tensor)
+        self.transport.all_reduce(tensor)
 
     def all_to_all(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """Block ``i`` of ``tensor`` (split in ``size`` equal blocks) to rank ``i``; returns
         the blocks this rank got, in rank order (of ``sizes[i]`` elements from rank ``i``
         where the ranks send unequal amounts)."""
+        self._check(tensor)
         if sizes is None:
             out = torch.empty_like(tensor)
-            self.pg.alltoall_base(out, tensor, [], []).wait()
+            self.transport.all_to_all(out, tensor, [], [])
             return out
         out = tensor.new_empty(sum(sizes))
-        self.pg.alltoall_base(out, tensor, sizes, [tensor.numel() // self.size] * self.size
-                              ).wait()
+        self.transport.all_to_all(out, tensor, sizes, [tensor.numel() // self.size] * self.size)
         return out
 
     def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
         """Every rank's ``tensor``, in rank order, into ``out`` (``size`` times as long)."""
-        self.pg._allgather_base(out, tensor).wait()
+        self._check(out, tensor)
+        self.transport.all_gather_into(out, tensor)
 
     def barrier(self) -> None:
-        self.all_reduce(torch.zeros(1))
+        self.all_reduce(torch.zeros(1, device=self.device))
 
     def subgroup(self, name: str, members: tuple[str, ...]) -> World:
-        """A world over some of this world's members (every one of them must call this)."""
-        return build_world(self.rendezvous, self.generation, members, self.members[self.rank],
-                           name=f"{self.name}.{name}", store=self.store)
+        """A world over some of this world's members (every one of them must call this, in
+        the same order as their other subgroups); built once, at its first call, which the
+        world's builder makes for the next layout's subgroups (``WorldBuilder``'s
+        ``prepare``), so none is built in a switch's pause."""
+        if name not in self._subgroups:
+            self._subgroups[name] = build_world(
+                self.rendezvous, self.generation, members, self.members[self.rank],
+                name=f"{self.name}.{name}", store=self.store)
+        return self._subgroups[name]
+
+    def close(self, *, abort: bool = False) -> None:
+        """Let go of the world's groups, subgroups first. ``abort`` (the fault path): nothing
+        in flight is waited for, and members still blocked on this one fail now rather than
+        at the timeout."""
+        if self not in _open:
+            return
+        _open.discard(self)
+        for sub in self._subgroups.values():
+            sub.close(abort=abort)
+        self.transport.close(abort=abort)
+        if self.cpu is not None and abort:
+            self.cpu.abort()
+
+
+# Every world of this process not closed yet: the fault path aborts them all at once.
+_open: weakref.WeakSet[World] = weakref.WeakSet()
+
+
+def abort_worlds() -> int:
+    """Abort every world this process holds (a member failed); how many."""
+    worlds = list(_open)
+    for world in worlds:
+        world.close(abort=True)
+    return len(worlds)
+
+
+def compute_device(transport: str) -> torch.device:
+    """The compute device of a rank on ``transport``: its CUDA device (bound before) for
+    nccl and host, else the CPU. Host transport without CUDA computes on the CPU (its staging
+    is then a plain copy: tests run it so)."""
+    if transport in ("nccl", "host") and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def build_world(
@@ -118,38 +177,42 @@ def build_world(
     store: dist.Store | None = None,
     cpu_group: bool = False,
 ) -> World:
-    """Join the world of ``members`` for ``generation``; blocks until every member joins.
-    ``cpu_group``: with a gloo group beside it (``World.cpu``), built now, where every member
-    is, rather than later, when one may be lost."""
+    """Join the world of ``members`` for ``generation``; blocks until every member joins and
+    the communicators are up. ``cpu_group``: with a gloo group beside it (``World.cpu``),
+    built now, where every member is, rather than later, when one may be lost."""
     if me not in members:
         raise ValueError(f"worker {me} is not a member of generation {generation}: {members}")
     store = store if store is not None else rendezvous.connect()
     prefixed = dist.PrefixStore(f"gen{generation}/{name}/", store)
     rank, size = members.index(me), len(members)
-    timeout = timedelta(seconds=rendezvous.timeout_s)
-    if rendezvous.backend == "nccl":
-        pg = dist.ProcessGroupNCCL(prefixed, rank, size)
-    else:
-        pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    transport = build_transport(rendezvous.transport, store=prefixed, rank=rank, size=size,
+                                timeout_s=rendezvous.timeout_s,
+                                device=compute_device(rendezvous.transport))
     cpu = (dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/{name}.cpu/", store), rank,
-                                 size, timeout) if cpu_group else None)
-    return World(generation=generation, members=members, rank=rank, pg=pg, store=store,
-                 rendezvous=rendezvous, name=name, cpu=cpu)
+                                 size, timedelta(seconds=rendezvous.timeout_s))
+           if cpu_group else None)
+    return World(generation=generation, members=members, rank=rank, transport=transport,
+                 store=store, rendezvous=rendezvous, name=name, cpu=cpu)
 
 
 class WorldBuilder:
-    """Builds a world in a background thread, so training goes on meanwhile."""
+    """Builds a world in a background thread, so training goes on meanwhile; ``prepare``
+    then builds, in the same thread, the subgroups the world's layout will need."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, prepare: Callable[[World], None] | None = None, **kwargs) -> None:
         self._result: World | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=args, kwargs=kwargs, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(prepare, *args), kwargs=kwargs,
+                                        daemon=True)
         self.started = time.perf_counter()
         self._thread.start()
 
-    def _run(self, *args, **kwargs) -> None:
+    def _run(self, prepare: Callable[[World], None] | None, *args, **kwargs) -> None:
         try:
-            self._result = build_world(*args, **kwargs)
+            world = build_world(*args, **kwargs)
+            if prepare is not None:
+                prepare(world)
+            self._result = world
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             self._error = err
 

@@ -4,12 +4,11 @@ A forward's output goes to the next stage and an input gradient to the previous 
 stage sits on another rank, the producer posts a SEND right after computing and the consumer a
 RECV right before using it. Stages on the same rank hand tensors over locally, without actions.
 
-The runtime posts SENDs without waiting and blocks on RECVs, and matches messages by their
-(kind, stage, micro-batch) tag. Where the transport matches by tag (gloo), it posts each
-receive a compute action sooner (:func:`receive_early`), so that the message moves while this
-rank computes. Backends that match in posting order instead (NCCL) keep the lowered order and
-need :func:`fifo_consistent` lists. :func:`validate_lowered` refuses lists no schedule could mean
-(hand-written ones included) before the dry run executes them.
+A message is named by (kind, producing stage, micro-batch) (:func:`message`); transports match
+messages in posting order, so each pair's two ends must post them in the same order
+(:func:`fifo_consistent`; tidal_plan.exchanges orders and groups them as NCCL needs).
+:func:`validate_lowered` refuses lists no schedule could mean (hand-written ones included)
+before the dry run executes them.
 """
 
 from __future__ import annotations
@@ -51,36 +50,6 @@ def lower(layout: Layout, compute: Mapping[int, Sequence[Action]]) -> Schedule:
                 append(action)
         lowered[rank] = out
     return lowered
-
-
-_RECEIVES = frozenset({Kind.RECV_F, Kind.RECV_B})
-
-
-def receive_early(actions: Sequence[Action]) -> list[Action]:
-    """One rank's lowered list with each RECV moved before the compute action that precedes
-    its consumer (never before an earlier RECV: receives keep their order).
-
-    A posted receive is waited for only where its tensor is used, so the list computes the same
-    thing; but the sender's message can now move while this rank runs that compute action,
-    rather than after it (gloo sends once the receiver has posted). One buffer more per
-    direction is in flight. For transports that match by tag only: it reorders receives
-    against sends, which breaks NCCL's in-order matching.
-    """
-    out: list[Action] = []
-    compute_at: int | None = None  # where in ``out`` the newest compute action is
-    floor = 0  # just past the newest receive
-    for action in actions:
-        if action.kind in _RECEIVES:
-            at = len(out) if compute_at is None else max(compute_at, floor)
-            out.insert(at, action)
-            floor = at + 1
-            if compute_at is not None and compute_at >= at:
-                compute_at += 1
-        else:
-            if action.kind.is_compute:
-                compute_at = len(out)
-            out.append(action)
-    return out
 
 
 def message(action: Action) -> Message:

@@ -97,10 +97,14 @@ def _world(generation: int = 0, name: str = "train"):
 
     import torch.distributed as dist
 
+    import torch
+
+    from tidal_agent.transport import Transport
     from tidal_agent.world import Rendezvous, World
 
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
-    return World(generation=generation, members=("w0",), rank=0, pg=pg, store=dist.HashStore(),
+    return World(generation=generation, members=("w0",), rank=0,
+                 transport=Transport(pg, torch.device("cpu"), 10.0), store=dist.HashStore(),
                  rendezvous=Rendezvous(host="127.0.0.1", port=0, prefix="t/"), name=name, cpu=pg)
 
 
