@@ -12,9 +12,11 @@ pytestmark = pytest.mark.slow
 STEPS = 20
 
 
-def _run(job, workers, schedule="1f1b", partition=None, clip_mode=ClipMode.GLOBAL_ORDER):
+def _run(job, workers, schedule="1f1b", partition=None, clip_mode=ClipMode.GLOBAL_ORDER,
+         transport="gloo"):
     layout = resolve_layout(job, workers=workers, schedule=schedule, partition=partition)
-    report = run_local(job, layout, steps=STEPS, clip_mode=clip_mode, timeout_s=60)
+    report = run_local(job, layout, steps=STEPS, clip_mode=clip_mode, timeout_s=60,
+                       transport=transport)
     assert len(report["steps"]) == STEPS
     return [s["loss_hex"] for s in report["steps"]], report["params_sha256"]
 
@@ -36,20 +38,22 @@ def reference(job):
     return _run(job, 1)
 
 
+# Half the cases under NCCL's rules (the nccl-model transport: messages matched in posting
+# order, one channel per pair, a send done only once its receive is posted).
 @pytest.mark.parametrize(
-    ("workers", "schedule", "partition"),
+    ("workers", "schedule", "partition", "transport"),
     [
-        (2, "1f1b", None),
-        (3, "1f1b", (2, 5, 3)),  # uneven
-        (4, "1f1b", None),
-        (4, "gpipe", (1, 3, 4, 2)),
-        (3, "zb", None),
-        (3, "zb", (4, 4, 2)),  # a stage ends at the LM head; the MTP heads are the next stage
-        (2, "interleaved", None),
+        (2, "1f1b", None, "gloo"),
+        (3, "1f1b", (2, 5, 3), "nccl-model"),  # uneven
+        (4, "1f1b", None, "nccl-model"),
+        (4, "gpipe", (1, 3, 4, 2), "gloo"),
+        (3, "zb", None, "gloo"),
+        (3, "zb", (4, 4, 2), "nccl-model"),  # a stage ends at the LM head, MTP heads next
+        (2, "interleaved", None, "nccl-model"),
     ],
 )
-def test_same_bits_as_one_process(job, reference, workers, schedule, partition):
-    losses, digest = _run(job, workers, schedule, partition)
+def test_same_bits_as_one_process(job, reference, workers, schedule, partition, transport):
+    losses, digest = _run(job, workers, schedule, partition, transport=transport)
     ref_losses, ref_digest = reference
     assert losses == ref_losses
     assert digest == ref_digest

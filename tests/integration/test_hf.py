@@ -49,9 +49,9 @@ def _bits(report):
     return [s["loss_hex"] for s in report["steps"]], report["params_sha256"]
 
 
-def _run(job, workers, schedule="1f1b", partition=None):
+def _run(job, workers, schedule="1f1b", partition=None, transport="gloo"):
     layout = resolve_layout(job, workers=workers, schedule=schedule, partition=partition)
-    return _bits(run_local(job, layout, steps=STEPS, timeout_s=120))
+    return _bits(run_local(job, layout, steps=STEPS, timeout_s=120, transport=transport))
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,8 @@ def test_tied_embeddings_are_two_copies_that_stay_equal_in_every_layout(tmp_path
                                                                         extra):
     """A tied LM head (GPT-2, small Qwen) is the embedding's copy on the last stage: equal at
     the start, given the sum of both gradients in one order, equal after training; any pipeline
-    degree, schedule and live switch gives one process's bits."""
+    degree, schedule and live switch gives one process's bits, under NCCL's rules too (the
+    nccl-model transport: the copies' gradients cross in one group)."""
     from tidal_agent import checkpoint
     from tidal_agent.hf import LM_HEAD, embedding_name
 
@@ -248,14 +249,15 @@ def test_tied_embeddings_are_two_copies_that_stay_equal_in_every_layout(tmp_path
     EMBEDDING = embedding_name(job.spec.model)  # noqa: N806
     reference = _run(job, 1)
     assert _run(job, 3, "1f1b", (2, 3, 1)) == reference
-    assert _run(job, 2, "interleaved") == reference
-    assert _run(job, 4, "zb") == reference
+    assert _run(job, 2, "interleaved", transport="nccl-model") == reference
+    assert _run(job, 4, "zb", transport="nccl-model") == reference
     assert _run(job, 2, "gpipe") == reference
     gens, layouts = elastic_plan(job, [(0, 2), (2, 3), (4, 2)])
     doc = job.model_dump(by_alias=True, exclude_none=True)
     doc["spec"]["checkpoint"] = {"path": str(tmp_path), "everySteps": STEPS}
     saved = parse_job(doc)
-    assert _bits(run_elastic(saved, gens, layouts, steps=STEPS, timeout_s=120)) == reference
+    assert _bits(run_elastic(saved, gens, layouts, steps=STEPS, timeout_s=120,
+                             transport="nccl-model")) == reference
     final = checkpoint.load_parameters(job.spec.model, tmp_path / f"step-{STEPS:08d}")
     start = StageModule(job.spec.model, range(job.spec.model.num_units), seed=TRAINING["seed"])
     assert torch.equal(start.state_dict()[EMBEDDING], start.state_dict()[LM_HEAD])

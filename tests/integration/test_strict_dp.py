@@ -63,12 +63,14 @@ def test_uneven_shares_of_the_micro_batches_have_the_bits_of_one_process(alone, 
 
 def test_switching_dp_and_pp_live_has_the_bits_and_moves_the_minimum(alone):
     """(1,4) -> (2,2) -> (4,1) -> (2,3) -> (1,4): the same members change layout, then two
-    join, then they leave; each switch moves only what the new positions lack."""
+    join, then they leave; each switch moves only what the new positions lack. Under NCCL's
+    rules (nccl-model): the reshard's buckets and the strict tree's pairs as NCCL runs them."""
     workers = tuple(f"worker-{i}" for i in range(6))
     members = [workers[:4], workers[:4], workers[:4], workers, workers[:4]]
     gens = [Generation(index=i, at_step=i, members=m) for i, m in enumerate(members)]
     layouts = [_layout(1, 4), _layout(2, 2), _layout(4, 1), _layout(2, 3), _layout(1, 4)]
-    report = run_elastic(_job(), gens, layouts, steps=STEPS, timeout_s=60)
+    report = run_elastic(_job(), gens, layouts, steps=STEPS, timeout_s=60,
+                         transport="nccl-model")
     switches = report["reconfigurations"]
     assert [c["at_step"] for c in switches] == [1, 2, 3, 4]
     assert all(c["bytes_moved"] == c["bytes_min"] > 0 for c in switches)
