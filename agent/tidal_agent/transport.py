@@ -19,6 +19,7 @@ derive from the same plan, which is what NCCL needs (tidal_plan.exchanges). Coll
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -275,6 +276,10 @@ def build_transport(name: str, *, store: dist.Store, rank: int, size: int, timeo
     too: built where the world is, never in a pause)."""
     timeout = timedelta(seconds=timeout_s)
     if name == "nccl":
+        # On a timeout the watchdog aborts the communicator and the process lives on: the
+        # survivors' next operation raises and they take the fault path (1, torch's default
+        # on some versions, would end the process; read when the group is built).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout  # else NCCL's 10 minutes, whatever the run's timeout
         pg = dist.ProcessGroupNCCL(store, rank, size, options)
