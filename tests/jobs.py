@@ -5,6 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from tidal_api import ElasticTrainingJob, parse_job
+from tidal_plan.gpus import Devices
+
+# The test transport that carries NCCL's rules over gloo (tidal_agent.transport): a run under
+# it posts what NCCL could run, or fails saying where it would deadlock.
+NCCL_MODEL = Devices(transport="nccl-model")
 
 
 def small_job(name: str, *, model: dict[str, Any], training: dict[str, Any],

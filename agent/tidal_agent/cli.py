@@ -22,7 +22,9 @@ from tidal_api import ElasticTrainingJob, JobSpecError, parse_job
 from tidal_api.layout import LayoutError, ScheduleKind
 from tidal_api.spec import MAX_MTP_HEADS, MAX_SEQ_LEN
 from tidal_plan.devices import DeviceError, load_device
-from tidal_plan.elastic import ScheduleError, elastic_plan, parse_worker_schedule
+from tidal_plan.elastic import (ScheduleError, all_workers, elastic_plan, generations,
+                                parse_worker_schedule)
+from tidal_plan.gpus import CUDA_TRANSPORTS, TRANSPORTS, DeviceChoiceError, Devices, choose_devices
 from tidal_plan.layout import resolve_layout
 from tidal_plan.planner import LayoutPlanner, plan_flextrain, plan_job
 from tidal_plan.profiled import ProfileError, load_profile
@@ -86,17 +88,20 @@ def main() -> None:
 @click.option("--profile", "profile_out", type=click.Path(dir_okay=False), help="Write the online profile (per-unit costs, JSON) here, with the host's sharing probe; every run profiles steps 3-7 of each generation (1 to the last in shorter ones) anyway.")
 @click.option("--resume", help="Resume from a checkpoint directory, or 'latest' under spec.checkpoint.path.")
 @click.option("--plan-profile", "plan_profile", type=click.Path(dir_okay=False), help="Plan layouts from this online profile (default: the modeling-based predictor).")
-@click.option("--plan-device", default="cpu", show_default=True, help="Device description for the modeling-based predictor: h100, cpu or a JSON file (cpu: what the workers here train on; tidal plan's default is h100).")
+@click.option("--plan-device", help="Device description for the modeling-based predictor: h100, h200, cpu or a JSON file (default: what the workers train on: cpu, or the GPU's by its name; tidal plan's default is h100).")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent worker is an error.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the workers compute. auto: what --transport computes on, else cuda where CUDA is available, else cpu.")
+@click.option("--transport", type=click.Choice(["auto", *TRANSPORTS]), default="auto", show_default=True, help="How the workers talk: nccl (one worker per GPU), host (CUDA compute, gloo through pinned host memory: workers share GPUs), gloo (CPU) or nccl-model (gloo under NCCL's rules, a CPU test transport). auto: nccl on cuda, gloo on cpu.")
 def run(job_file, workers, steps, report, schedule, partition, workers_schedule, bucket_mib,
-        profile_out, resume, plan_profile, plan_device, timeout_s) -> None:
+        profile_out, resume, plan_profile, plan_device, timeout_s, device, transport) -> None:
     """Train JOB_FILE with N local worker processes and report per-step losses.
 
     The planner picks each worker count's layout (schedule where the spec says auto, and the
     partition) unless --schedule or --partition forces it; the report gives its predicted
     step time next to the measured one. With --workers-schedule the worker count changes
     between steps without a restart; in strict mode the losses stay bitwise those of a fixed
-    worker count.
+    worker count. On CUDA each worker computes on one GPU (round-robin over them with
+    --transport host); strict mode makes CUDA deterministic in every worker.
     """
     if workers_schedule and (workers or partition):
         raise click.ClickException("--workers-schedule replaces --workers and --partition")
@@ -104,16 +109,22 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
         job = load_job(job_file)
         workers = workers or job.spec.workers.min
         steps = steps or job.spec.training.steps
-        device = load_device(plan_device)
+        if steps > job.spec.training.steps:
+            raise JobSpecError(
+                f"--steps {steps} exceeds spec.training.steps ({job.spec.training.steps}), "
+                "which sets the LR schedule: raise it in the manifest"
+            )
+        entries = parse_worker_schedule(
+            workers_schedule, steps=steps, max_workers=job.spec.model.num_units
+        ) if workers_schedule else [(0, workers)]
+        devices = _run_devices(device, transport, len(all_workers(generations(entries))))
+        plan_on = load_device(plan_device or _plan_device(devices))
         planner = LayoutPlanner(
-            job, device, load_profile(plan_profile) if plan_profile else None,
+            job, plan_on, load_profile(plan_profile) if plan_profile else None,
         )
         forced = schedule is not None or partition is not None
         choose = None if forced else (lambda n, dp: planner.layout(n, dp)[0])
         if workers_schedule:
-            entries = parse_worker_schedule(
-                workers_schedule, steps=steps, max_workers=job.spec.model.num_units
-            )
             gens, layouts = elastic_plan(job, entries, kind=schedule, choose=choose)
         elif forced:
             layout = resolve_layout(
@@ -125,13 +136,8 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             gens, layouts = elastic_plan(job, [(0, workers)], choose=choose)
         predicted = [planner.predict(lay).step_seconds for lay in layouts]
         resume_from = _resume_dir(job, resume) if resume else None
-        if steps > job.spec.training.steps:
-            raise JobSpecError(
-                f"--steps {steps} exceeds spec.training.steps ({job.spec.training.steps}), "
-                "which sets the LR schedule: raise it in the manifest"
-            )
-    except (JobSpecError, LayoutError, ScheduleError, DeviceError, ProfileError,
-            ValueError) as err:
+    except (JobSpecError, LayoutError, ScheduleError, DeviceError, DeviceChoiceError,
+            ProfileError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     if profile_out:
         from tidal_agent.worker import profile_window
@@ -148,7 +154,8 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     from tidal_plan.predictors import ProfiledPredictor
 
     profiled: list[dict] = []  # per profile: layout, steps, the profiled prediction
-    # torch, after the checks: bad input gets its line in a fraction of a second.
+    # The trainer, after the checks: a bad manifest gets its line in a fraction of a second
+    # (bad flags too where no GPU is counted: --device cpu, or a CPU transport).
     from tidal_agent.runner import (RunError, layout_report, loss_divergence, profile_accuracy,
                                     run_elastic, run_local)
     from tidal_agent.trainer import batch_source
@@ -163,7 +170,7 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     for gen, lay, pred in zip(gens, layouts, predicted, strict=True):
         _console.print(
             f"  from step {gen.at_step:5d}: {len(gen.members)} workers, {lay.describe()} "
-            f"({how}, predicted {pred * 1e3:.1f} ms/step on device {device.name})"
+            f"({how}, predicted {pred * 1e3:.1f} ms/step on device {plan_on.name})"
         )
     columns = (
         TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -203,13 +210,14 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
                 job, gens, layouts, steps=steps, on_step=on_step,
                 timeout_s=timeout_s, resume_from=resume_from, bucket_bytes=bucket_mib << 20,
                 profile_out=profile_to, sharing_probe=bool(profile_out), on_profile=on_profile,
+                devices=devices,
             )
             relaxed = job.spec.parallelism.consistency == "relaxed"
             if relaxed and len({lay.dp for lay in layouts}) > 1:
                 # relaxed: measure what the layout changes cost in loss (strict costs none)
                 progress.update(task, description="static run for comparison")
                 static = run_local(job, layouts[0], steps=steps, timeout_s=timeout_s,
-                                   resume_from=resume_from)
+                                   resume_from=resume_from, devices=devices)
                 result["divergence"] = loss_divergence(result, static)
         except RunError as err:
             first = str(err).splitlines()[0]
@@ -274,6 +282,26 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
         _console.print(f"report: {report}")
 
 
+def _run_devices(device: str, transport: str, workers: int) -> Devices:
+    """``tidal run``'s device and transport for ``workers`` processes; torch is loaded only to
+    count GPUs, where the choice may need them."""
+    gpus = 0
+    if device != "cpu" and transport in ("auto", *CUDA_TRANSPORTS):
+        from tidal_agent.devices import visible_gpus
+
+        gpus = visible_gpus()
+    return choose_devices(device, transport, gpus=gpus, workers=workers)
+
+
+def _plan_device(devices: Devices) -> str:
+    """What ``--plan-device`` defaults to: the description of what the workers compute on."""
+    if devices.device == "cpu":
+        return "cpu"
+    from tidal_agent.devices import gpu_plan_device
+
+    return gpu_plan_device()
+
+
 def _stop_worker_server() -> None:
     """Stop the server the workers were forked from (tidal_agent.runner.worker_processes)
     before this process exits: on its own it goes about a second later, after whoever
@@ -289,7 +317,7 @@ def _stop_worker_server() -> None:
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False), required=False)
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False), help="An online profile (tidal run --profile): the profiling-based predictor chooses, the modeling-based one checks.")
-@click.option("--device", default="h100", show_default=True, help="h100, cpu, or a JSON file of Device fields: peaks for the modeling-based predictor and the memory cap (tidal run plans for cpu, what its workers train on).")
+@click.option("--device", default="h100", show_default=True, help="h100, h200, cpu, or a JSON file of Device fields: peaks for the modeling-based predictor and the memory cap (tidal run plans for what its workers train on).")
 @click.option("--flextrain", type=click.Choice(["small", "medium", "large"]), help="Plan a FlexTrain configuration of the slides instead of JOB_FILE.")
 @click.option("--elastic", type=click.Choice(["pp", "dp-pp"]), default="pp", show_default=True, help="With --flextrain: scale PP only (DP fixed) or DP and PP.")
 @click.option("--max-disagreement", type=click.FloatRange(min=0), default=0.25, show_default=True, help="Drop rows whose speedup the two predictors put further apart (a ratio).")
@@ -378,9 +406,9 @@ def _slowdown(text: str | None) -> tuple[int, int, float] | None:
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Torch threads; the same in every pod (determinism).")
 @click.option("--steps", type=click.IntRange(min=1), help="Steps to run (default: spec.training.steps).")
 @click.option("--report", type=click.Path(dir_okay=False), help="The leader writes the JSON report here.")
-@click.option("--plan-device", default="cpu", show_default=True, help="Device description for the planner: h100, cpu or a JSON file.")
+@click.option("--plan-device", help="Device description for the planner: h100, h200, cpu or a JSON file (default: what the pod trains on: cpu, or its GPU's by the GPU's name).")
 @click.option("--publish-interval", "publish_interval_s", type=click.FloatRange(min=0), default=2.0, show_default=True, help="Seconds between status patches (a new generation goes out at once).")
-@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True, help="auto: nccl where CUDA is available, else gloo.")
+@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl", "host", "nccl-model"]), default="auto", show_default=True, help="The transport: gloo (CPU), nccl (the pod's GPU), host (the pod's GPU, gloo through pinned host memory) or nccl-model (CPU, gloo under NCCL's rules: a test transport); auto: nccl where the pod has a GPU, else gloo. The GPU is the LOCAL_RANK-th (default the first) of those the pod was given (CUDA_VISIBLE_DEVICES).")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent peer or rendezvous is an error.")
 @click.option("--lost-after", "lost_after_s", type=click.FloatRange(min=1.0), default=5.0, show_default=True, help="On the fault path, seconds of heartbeat silence (a beat every 0.5 s) after which a member that has not reported counts as lost.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="TIDAL_METRICS_PORT", help="Serve Prometheus metrics on this port (also $TIDAL_METRICS_PORT; 0 or unset: off).")
@@ -402,21 +430,19 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request otherwise
     from tidal_agent.link import ControlError
-    from tidal_agent.pod import PodIdentity, run_agent
+    from tidal_agent.pod import PodIdentity, pod_transport, run_agent
     from tidal_agent.protocol import LeaderLost
 
-    if backend == "auto":
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
+        transport = pod_transport(backend)
         identity = PodIdentity.from_env()
         result = run_agent(identity, kubeconfig=kubeconfig, threads=threads, steps=steps,
                            plan_device=plan_device, publish_interval_s=publish_interval_s,
-                           timeout_s=timeout_s, lost_after_s=lost_after_s, backend=backend,
+                           timeout_s=timeout_s, lost_after_s=lost_after_s, transport=transport,
                            report_path=report, metrics_port=metrics_port, profiled_table=profiled_table,
                            slowdown=_slowdown(slowdown))
-    except (ControlError, JobSpecError, LayoutError, DeviceError, LeaderLost) as err:
+    except (ControlError, JobSpecError, LayoutError, DeviceError, DeviceChoiceError,
+            LeaderLost) as err:
         raise click.ClickException(str(err)) from None
     if "params_sha256" in result:
         last = result["steps"][-1] if result["steps"] else None

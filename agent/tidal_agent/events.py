@@ -23,11 +23,22 @@ from tidal_api.layout import Layout
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Ready:
     """The worker has built its world and trainer: ``step`` is where it starts (None: a
-    joiner, waiting in standby for the old members)."""
+    joiner, waiting in standby for the old members). It says where it computes (``device``:
+    "cpu" or "cuda: <the GPU's name>"), how it talks (``transport``, over torch.distributed's
+    ``backend``) and the determinism settings it made (tidal_agent.devices.set_determinism)."""
 
     worker: str
     step: int | None
+    device: str = "cpu"
+    transport: str = "gloo"
+    backend: str = "gloo"
+    determinism: dict[str, Any] = field(default_factory=dict)
     peak_rss_bytes: int = 0
+
+    def record(self) -> dict[str, Any]:
+        """The run's report's keys on where and how its workers train."""
+        return {"device": self.device, "backend": self.backend, "transport": self.transport,
+                "determinism": self.determinism}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,7 +4,8 @@
 rendezvous (hosting its store on the leader, ``<job>-worker-0``), and trains through the
 generations the operator's targets give (``ControlledGenerations``, tidal_agent.generations),
 reporting on the leader through an ``AgentReport`` (tidal_agent.report). SIGTERM stops it at the
-next step boundary; the leader, asked to stop, halts the job there.
+next step boundary; the leader, asked to stop, halts the job there. Its GPU is what the pod was
+given (``pod_transport``), never a number in its name.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from functools import partial
 from datetime import timedelta
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tidal_agent.devices import bind_gpu, gpu_plan_device, prepare_worker, visible_gpus
 from tidal_agent.events import Profiled
 from tidal_agent.generations import ControlledGenerations
 from tidal_agent.link import ControlError, ControlLink
@@ -40,6 +42,7 @@ from tidal_api import ElasticTrainingJob, JobSpec, keys
 from tidal_api.layout import Layout, LayoutError
 from tidal_plan.devices import Device, load_device
 from tidal_plan.elastic import data_parallel_degree
+from tidal_plan.gpus import CPU_TRANSPORTS, DeviceChoiceError, choose_devices
 from tidal_plan.planner import LayoutPlanner, plan_job
 from tidal_plan.predictors import ProfiledPredictor
 from tidal_plan.profiled import ProfileError, load_profile
@@ -76,17 +79,36 @@ class PodIdentity:
         return f"{self.job}-worker-0"
 
 
+def pod_transport(backend: str, env: MutableMapping[str, str] = os.environ) -> str:
+    """This pod's transport for ``--backend`` (auto, gloo, nccl, host or nccl-model; auto: nccl
+    where the pod has a GPU, else gloo), its GPU bound first, before CUDA starts in this
+    process: the ``LOCAL_RANK``-th (default the first) of those the pod was given."""
+    if backend in CPU_TRANSPORTS:
+        return backend
+    rank = env.get("LOCAL_RANK") or "0"
+    if not rank.isdigit():
+        raise DeviceChoiceError(f"LOCAL_RANK={rank!r} is not a GPU index")
+    gpus = 0
+    try:
+        bind_gpu(int(rank), env)
+        gpus = visible_gpus()
+    except DeviceChoiceError as err:  # not among the pod's GPUs: auto goes on without one
+        if backend != "auto":
+            raise DeviceChoiceError(f"transport {backend} needs a GPU: {err}") from None
+    return choose_devices("auto", backend, gpus=gpus, workers=1).transport
+
+
 def run_agent(
     identity: PodIdentity,
     *,
     kubeconfig: str | None = None,
     threads: int = 1,
     steps: int | None = None,
-    plan_device: str = "cpu",
+    plan_device: str | None = None,
     publish_interval_s: float = 2.0,
     timeout_s: float = 120.0,
     lost_after_s: float = 5.0,
-    backend: str = "gloo",
+    transport: str = "gloo",
     report_path: str | Path | None = None,
     metrics_port: int | None = None,
     profiled_table: bool = True,
@@ -99,7 +121,9 @@ def run_agent(
     the scale table planned from each profile (else nothing is profiled and the
     modeling-based table stays);
     ``slowdown`` (first step, end step, factor) makes this pod a straggler, for tests;
-    ``lost_after_s``: the heartbeat silence after which the fault path counts a member lost."""
+    ``lost_after_s``: the heartbeat silence after which the fault path counts a member lost;
+    ``transport``: ``pod_transport``'s, its GPU bound; ``plan_device``: the planner's device
+    description (default: what the pod trains on, cpu or its GPU's)."""
     link = ControlLink(identity.job, identity.namespace, kubeconfig=kubeconfig,
                        publish_interval_s=publish_interval_s)
     metrics = AgentMetrics(namespace=identity.namespace, job=identity.job, pod=identity.pod,
@@ -111,7 +135,7 @@ def run_agent(
             except OSError as err:
                 raise ControlError(f"cannot serve metrics on port {metrics_port}: {err}") from err
         return _run(identity, link, threads=threads, steps=steps, plan_device=plan_device,
-                    timeout_s=timeout_s, lost_after_s=lost_after_s, backend=backend,
+                    timeout_s=timeout_s, lost_after_s=lost_after_s, transport=transport,
                     report_path=report_path, metrics=metrics.job,
                     profiled_table=profiled_table, slowdown=slowdown)
     finally:
@@ -120,7 +144,7 @@ def run_agent(
 
 
 def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int | None,
-         plan_device: str, timeout_s: float, lost_after_s: float, backend: str,
+         plan_device: str | None, timeout_s: float, lost_after_s: float, transport: str,
          report_path: str | Path | None, metrics: JobMetrics | None,
          profiled_table: bool = True,
          slowdown: tuple[int, int, float] | None = None) -> dict[str, Any]:
@@ -135,16 +159,20 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     if steps > spec.training.steps:
         raise ControlError(f"--steps {steps} exceeds spec.training.steps ({spec.training.steps})")
     leading = identity.pod == identity.leader
+    # First, before anything here starts CUDA (reading the GPU's name for the planner does).
+    where = prepare_worker(transport, None, threads=threads,
+                           strict=spec.parallelism.consistency == "strict")
     # The job's long-lived store, on the leader: it must outlive every other pod's use of it.
     host = dist.TCPStore(
         identity.rendezvous_host, identity.rendezvous_port, is_master=True,
         wait_for_workers=False, timeout=timedelta(seconds=timeout_s), use_libuv=True,
     ) if leading else None
     rendezvous = Rendezvous(host=identity.rendezvous_host, port=identity.rendezvous_port,
-                            prefix=f"{identity.job}/", timeout_s=timeout_s, transport=backend)
+                            prefix=f"{identity.job}/", timeout_s=timeout_s, transport=transport)
     report = AgentReport(link if leading else None, metrics=metrics,
                          tokens_per_step=spec.training.global_batch_size * spec.model.seq_len)
-    device = load_device(plan_device)
+    device = load_device(plan_device or (
+        "cpu" if where.device.type == "cpu" else gpu_plan_device()))
     planner = LayoutPlanner(job, device)
 
     def choose(workers: int) -> tuple[Layout, float | None]:
@@ -177,7 +205,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         slowdown=((identity.pod, *slowdown),) if slowdown else (),
     )
     try:
-        train(identity.pod, spec, opts, report, source)
+        train(identity.pod, spec, opts, report, source, where)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if leading and report.halted is not None:
@@ -251,10 +279,11 @@ def _leader_report(job: str, spec: JobSpec, source: ControlledGenerations, repor
 
 
 def _run_record(job: str, source: ControlledGenerations, report: AgentReport) -> dict[str, Any]:
-    """The run as the leader saw it: where it started, its generations, steps, switches and
-    recoveries, and where it is now."""
+    """The run as the leader saw it: where it trains and started, its generations, steps,
+    switches and recoveries, and where it is now."""
     return {
-        "job": job, "members": list(source.current.members), "resumed_from": source.resume_from,
+        "job": job, **report.setup, "members": list(source.current.members),
+        "resumed_from": source.resume_from,
         "layout": source.layout(source.current).to_dict(), "generations": report.generations,
         "steps": report.steps, "reconfigurations": report.reconfigurations,
         "recoveries": report.recoveries, "stragglers": report.stragglers,

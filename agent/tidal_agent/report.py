@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from tidal_agent.events import (Finished, Halted, Left, Listener, Profiled, Reconfigured,
+from tidal_agent.events import (Finished, Halted, Left, Listener, Profiled, Ready, Reconfigured,
                                 Recovered, Replanned, Stepped, Straggler)
 from tidal_agent.link import ControlLink
 from tidal_agent.metrics import JobMetrics
@@ -43,6 +43,7 @@ class AgentReport(Listener):
         self.digests: dict[int, tuple[str, str]] | None = None
         self.left_at: int | None = None
         self.halted: Halted | None = None  # where the job halted, and its checkpoint
+        self.setup: dict[str, Any] = {}  # where it trains: device, backend, transport, determinism
         self._recent: deque[float] = deque(maxlen=window)
         self._predicted: dict[int, float | None] = {}
         self.stragglers: list[dict[str, Any]] = []  # every flag raised or cleared
@@ -53,6 +54,9 @@ class AgentReport(Listener):
         # Called with each profile on the leader (in a thread of its own): the profiled
         # prediction of its layout, or None; the scale table goes out from there too.
         self.on_profile: Callable[[Profiled], float | None] | None = None
+
+    def on_ready(self, event: Ready) -> None:
+        self.setup = event.record()
 
     def on_stepped(self, event: Stepped) -> None:
         self.steps.append(event.record())

@@ -4,7 +4,9 @@ The launcher hosts the job's long-lived rendezvous store and starts one process 
 that will ever take part, joiners included (they wait in standby until their generation).
 It shows progress from the events they send and returns (and optionally writes) the JSON
 report: per step the loss (also as ``float.hex``), layout and seconds; per reconfiguration its
-timings and bytes; and ``params_sha256`` over every final parameter in global order.
+timings and bytes; ``params_sha256`` over every final parameter in global order; and where the
+workers trained (``device``, ``backend``, ``transport``, the ``determinism`` settings), as the
+leader said.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob
 from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation, all_workers
+from tidal_plan.gpus import Devices
 
 
 _SPAWNING = threading.Lock()  # held while a launch sets the environment its workers inherit
@@ -96,7 +100,7 @@ def run_elastic(
     watch_stragglers: bool = True,
     sharing_probe: bool = True,
     on_profile: Callable[[Profiled], None] | None = None,
-    transport: str = "gloo",
+    devices: Devices = Devices(),
 ) -> dict[str, Any]:
     """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
@@ -111,8 +115,11 @@ def run_elastic(
     ``watch_stragglers=False`` turns the straggler watch off (to measure what it costs).
     With ``profile_out`` every generation profiles its first steps (``on_profile`` hears of
     each), and the first profile gets the host's sharing probe unless ``sharing_probe`` is
-    off. ``transport``: how the workers talk (tidal_agent.transport).
+    off. ``devices``: where the workers compute and how they talk (default: the CPU, gloo);
+    worker ``i`` binds ``devices.gpu(i)``.
     """
+    workers = all_workers(gens)
+    devices.check(len(workers))
     if unit_seconds is None and job.spec.stragglers.replan:
         from tidal_plan.devices import load_device
         from tidal_plan.planner import LayoutPlanner
@@ -125,7 +132,7 @@ def run_elastic(
     opts = WorkerOptions(
         rendezvous=Rendezvous(host="127.0.0.1", port=store.port,
                               prefix=f"run-{os.getpid()}-{time.monotonic_ns()}/",
-                              timeout_s=timeout_s, transport=transport),
+                              timeout_s=timeout_s, transport=devices.transport),
         generations=tuple(gens),
         layouts=tuple(layouts),
         steps=steps,
@@ -145,11 +152,11 @@ def run_elastic(
     ctx = worker_processes(fresh_interpreters)
     events = ctx.Queue()
     spec_json = job.spec.model_dump_json()
-    workers = all_workers(gens)
     procs = {
-        me: ctx.Process(target=worker_main, args=(me, spec_json, opts, events),
+        me: ctx.Process(target=worker_main,
+                        args=(me, spec_json, replace(opts, gpu=devices.gpu(i)), events),
                         name=f"tidal-{me}", daemon=True)
-        for me in workers
+        for i, me in enumerate(workers)
     }
     started = time.perf_counter()
     with _SPAWNING:  # runs at once (the sharing probe's copies) each restore the environment
@@ -175,12 +182,13 @@ def run_elastic(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    if collected.profile is not None and sharing_probe and opts.rendezvous.backend == "gloo":
+    if collected.profile is not None and sharing_probe and devices.device == "cpu":
         _add_sharing(collected.profile, job, threads)
     num_params = len(global_parameter_names(job.spec.model))
     final = collected.reconfigurations[-1]["to"] if collected.reconfigurations else None
     report = {
         "job": job.metadata.name,
+        **collected.setup[workers[0]],  # device, backend, transport, determinism
         "workers": len(gens[-1].members),
         "layout": final or layouts[-1].to_dict(),
         "steps": collected.steps,
@@ -251,7 +259,8 @@ class _Collected(Listener):
         self.digests: dict[int, tuple[str, str]] = {}
         self.finished: set[str] = set()  # workers done or gone
         self.peak_rss: dict[str, int] = {}  # per worker that said, its peak resident bytes
-        self._ready: set[str] = set()
+        # per worker ready: where it trains (device, backend, transport, determinism)
+        self.setup: dict[str, dict[str, Any]] = {}
 
     def on_failed(self, event: Failed) -> None:
         lost = _lost_worker(self.procs, self.finished, besides=event.worker)
@@ -298,8 +307,8 @@ class _Collected(Listener):
         self.peak_rss[event.worker] = event.peak_rss_bytes
 
     def on_ready(self, event: Ready) -> None:
-        self._ready.add(event.worker)
-        if len(self._ready) == len(self.procs):
+        self.setup[event.worker] = event.record()
+        if len(self.setup) == len(self.procs):
             self.ready_at = time.perf_counter()
 
 

@@ -48,7 +48,6 @@ import contextlib
 import gc
 import json
 import logging
-import os
 import statistics
 import threading
 import time
@@ -62,6 +61,7 @@ import torch
 
 from tidal_agent import checkpoint
 from tidal_agent.calibrate import calibrate_trainer, time_collectives
+from tidal_agent.devices import WorkerDevice, prepare_worker
 from tidal_agent.events import (Checkpointed, EventSink, Failed, Finished, Halted, Left,
                                 Profiled, Ready, Reconfigured, Recovered, Released, Stepped,
                                 peak_rss_bytes)
@@ -94,6 +94,9 @@ class WorkerOptions:
     generations: tuple[Generation, ...] = ()  # a static schedule (see StaticGenerations)
     layouts: tuple[Layout, ...] = ()  # one per generation
     threads: int = 1
+    # The GPU this worker binds at its start (tidal_agent.devices.bind_gpu), counted among
+    # those its launcher sees; None on the CPU, or where the process is bound already.
+    gpu: int | None = None
     clip_mode: ClipMode = ClipMode.GLOBAL_ORDER
     resume_from: str | None = None  # a checkpoint directory
     checkpoint_root: str | None = None
@@ -140,8 +143,11 @@ def worker_main(me: str, spec_json: str, opts: WorkerOptions, events: EventSink)
     """Process entry point (spawned) for a static schedule; never raises, reports through
     ``events``."""
     try:
+        spec = JobSpec.model_validate_json(spec_json)
+        device = prepare_worker(opts.rendezvous.transport, opts.gpu, threads=opts.threads,
+                                strict=spec.parallelism.consistency == "strict")
         source = StaticGenerations(opts.generations, opts.layouts, opts.resume_from)
-        train(me, JobSpec.model_validate_json(spec_json), opts, events, source)
+        train(me, spec, opts, events, source, device)
     except BaseException as err:  # noqa: BLE001 - the launcher needs every failure, with cause
         events.put(Failed(worker=me, error=f"{type(err).__name__}: {err}",
                           traceback=traceback.format_exc()))
@@ -149,25 +155,19 @@ def worker_main(me: str, spec_json: str, opts: WorkerOptions, events: EventSink)
 
 
 def train(me: str, spec: JobSpec, opts: WorkerOptions, events: EventSink,
-          source: GenerationSource) -> None:
-    """Train as worker ``me`` through the generations ``source`` gives, reporting to ``events``
+          source: GenerationSource, device: WorkerDevice) -> None:
+    """Train as worker ``me`` on ``device`` (tidal_agent.devices.prepare_worker's, made where
+    the process starts) through the generations ``source`` gives, reporting to ``events``
     until step ``opts.steps`` or until ``me`` is released."""
-    _Worker(me, spec, opts, events, source).run()
+    _Worker(me, spec, opts, events, source, device).run()
 
 
 class _Worker:
     def __init__(self, me: str, spec: JobSpec, opts: WorkerOptions, events: EventSink,
-                 source: GenerationSource) -> None:
+                 source: GenerationSource, device: WorkerDevice) -> None:
         self.me, self.spec, self.opts, self.events = me, spec, opts, events
         self.source = source
-        # Same threads in every process: part of the determinism contract.
-        torch.set_num_threads(opts.threads)
-        os.environ["OMP_NUM_THREADS"] = str(opts.threads)  # a fork has its server's
-        self.device = torch.device("cpu")
-        if opts.rendezvous.backend == "nccl":
-            index = int(me.rsplit("-", 1)[1]) % torch.cuda.device_count()
-            self.device = torch.device("cuda", index)
-            torch.cuda.set_device(self.device)
+        self.where, self.device = device, device.device
         self.metas = state_metadata(spec.model)
         self.snapshots = (PeerSnapshots(self.metas, self.device, every=opts.snapshot_every)
                           if opts.peer_snapshots else None)
@@ -238,14 +238,20 @@ class _Worker:
             world = self._world(gen, gen.world)
             trainer = self._trainer(gen, world, initialise=resume is None)
             step = checkpoint.load(trainer, resume) if resume else gen.at_step
-            self.events.put(Ready(worker=self.me, step=step))
+            self.events.put(self._ready(step))
         else:  # a joiner: standby in the new world until the old members arrive
-            self.events.put(Ready(worker=self.me, step=None))
+            self.events.put(self._ready(None))
             world = self._world(gen, gen.world)
             trainer = self._trainer(gen, world, initialise=False)
             self._reshard(self._plan(previous, gen), world, None, trainer)
             step = gen.at_step
         return trainer, world, step
+
+    def _ready(self, step: int | None) -> Ready:
+        rendezvous = self.opts.rendezvous
+        return Ready(worker=self.me, step=step, device=self.where.name,
+                     transport=rendezvous.transport, backend=rendezvous.backend,
+                     determinism=self.where.determinism)
 
     def _train(self, enter: Callable[[], tuple[Trainer, World, int]]) -> None:
         """Train from where ``enter`` puts this worker to the last step, or until released."""

@@ -1,15 +1,15 @@
 """Device descriptions: the peaks the modeling-based predictor divides FLOPs and bytes by.
 
 A ``Device`` is a handful of datasheet numbers plus one fudge factor (``mfu``, the fraction of
-peak FLOP/s that training matmuls reach). Built-ins cover an H100 and one CPU core of a
-development machine; anything else comes from a JSON file with the same fields. These are
+peak FLOP/s that training matmuls reach). Built-ins cover an H100, an H200 and one CPU core of
+a development machine; anything else comes from a JSON file with the same fields. These are
 rough defaults for planning without a profile: a measured profile always beats them.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 GIB = 1024**3
@@ -105,10 +105,23 @@ DEVICES: dict[str, Device] = {
         dtype_bytes=4,
     ),
 }
+# H200 SXM datasheet: the H100's compute (989 TFLOP/s dense bf16) with 141 GB of HBM3e at
+# 4.8 TB/s (GB as NVIDIA counts the H100's 80, which are GiB); network, NVLink and MFU as the
+# H100's.
+DEVICES["h200"] = replace(DEVICES["h100"], name="h200", memory_bytes=141 * GIB,
+                          memory_bandwidth=4.8e12)
+
+
+def gpu_description(gpu_name: str) -> str | None:
+    """The built-in description of a GPU by its name as CUDA gives it ("NVIDIA H100 80GB
+    HBM3" -> h100), or None for a GPU none describes."""
+    lowered = gpu_name.lower()
+    return next((name for name in DEVICES if name != "cpu" and name in lowered), None)
 
 
 def load_device(name_or_path: str | Path) -> Device:
-    """A built-in device by name (``h100``, ``cpu``) or one described by a JSON file.
+    """A built-in device by name (``h100``, ``h200``, ``cpu``) or one described by a JSON
+    file.
 
     The JSON object holds ``Device``'s fields; ``mfu``, ``dtype_bytes``, ``nvlink_bandwidth``
     and ``gpus_per_node`` may be left out.

@@ -215,9 +215,11 @@ class AgentProcesses:
             command[0] = str(self.tidal)
         meta = pod["metadata"]
         # No profile, the modeling-based table: these "GPUs" are processes on a few cores,
-        # which the job's own profile would see (more workers, no faster).
+        # which the job's own profile would see (more workers, no faster). gloo: they are
+        # processes, given no real GPU (on a GPU machine, every pod would take the first).
         return [*command, "--kubeconfig", str(self.kubeconfig), "--threads", "1",
-                "--modeled-table", "--publish-interval", str(self.publish_interval_s),
+                "--backend", "gloo", "--modeled-table",
+                "--publish-interval", str(self.publish_interval_s),
                 "--report", str(self.report_path(meta["namespace"], meta["name"]))]
 
     def _environment(self, pod: Obj) -> dict[str, str]:

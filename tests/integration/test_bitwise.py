@@ -5,6 +5,7 @@ import pytest
 from tests.jobs import small_job
 from tidal_agent.optim import ClipMode
 from tidal_agent.runner import run_local
+from tidal_plan.gpus import Devices
 from tidal_plan.layout import resolve_layout
 
 pytestmark = pytest.mark.slow
@@ -13,10 +14,10 @@ STEPS = 20
 
 
 def _run(job, workers, schedule="1f1b", partition=None, clip_mode=ClipMode.GLOBAL_ORDER,
-         transport="gloo"):
+         devices=Devices()):
     layout = resolve_layout(job, workers=workers, schedule=schedule, partition=partition)
     report = run_local(job, layout, steps=STEPS, clip_mode=clip_mode, timeout_s=60,
-                       transport=transport)
+                       devices=devices)
     assert len(report["steps"]) == STEPS
     return [s["loss_hex"] for s in report["steps"]], report["params_sha256"]
 
@@ -53,7 +54,8 @@ def reference(job):
     ],
 )
 def test_same_bits_as_one_process(job, reference, workers, schedule, partition, transport):
-    losses, digest = _run(job, workers, schedule, partition, transport=transport)
+    losses, digest = _run(job, workers, schedule, partition,
+                          devices=Devices(transport=transport))
     ref_losses, ref_digest = reference
     assert losses == ref_losses
     assert digest == ref_digest

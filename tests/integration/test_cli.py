@@ -37,6 +37,8 @@ def _bad(doc_field):
         (["--workers", "3", "--partition", "4,4,0"], "has an empty stage"),
         (["--workers", "2", "--partition", "a,b"], "expected units per stage"),
         (["--steps", "500"], "exceeds spec.training.steps (200)"),
+        (["--device", "cpu", "--transport", "nccl"], "transport nccl computes on cuda, not cpu"),
+        (["--device", "cuda", "--transport", "gloo"], "on cuda use transport nccl or host"),
     ],
 )
 def test_bad_flags_get_one_clear_line(args, message):
@@ -75,10 +77,13 @@ def test_missing_and_broken_files(tmp_path):
 def test_run_writes_the_report(tmp_path):
     report = tmp_path / "out" / "report.json"
     result = tidal("run", TINY, "--workers", "2", "--steps", "3", "--schedule", "zb",
-                   "--report", report)
+                   "--device", "cpu", "--transport", "gloo", "--report", report)
     assert result.returncode == 0, result.stderr
     assert "step     2  pp2  loss" in result.stderr
     data = json.loads(report.read_text())
+    # Where the workers trained, as the leader said; strict on the CPU fixes the threads only.
+    assert (data["device"], data["backend"], data["transport"]) == ("cpu", "gloo", "gloo")
+    assert data["determinism"] == {"threads": 1}
     assert [s["step"] for s in data["steps"]] == [0, 1, 2]
     for step in data["steps"]:
         assert float.fromhex(step["loss_hex"]) == step["loss"]

@@ -546,6 +546,9 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
     final = observer.seen[-1]
     report = json.loads((tmp_path / "report.json").read_text())
     assert final["loss"] == report["steps"][-1]["loss"]
+    # The pods had no GPU (this machine has none): the CPU, gloo, the threads fixed.
+    assert (report["device"], report["backend"], report["transport"]) == ("cpu", "gloo", "gloo")
+    assert report["determinism"] == {"threads": 1}
     assert final["tokensPerSecond"] > 0 and final["stepSeconds"] > 0
     assert final["predictedStepSeconds"] > 0 and final["lastSwitchSeconds"] > 0
     table = ScaleTable.model_validate(final["scaleTable"])
@@ -635,6 +638,13 @@ def test_agent_refuses_what_it_cannot_run(emulator, api):
     result = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "set TIDAL_POD, TIDAL_RENDEZVOUS_HOST" in result.stderr
+    # NCCL where the pod was given no GPU (none, whatever this machine has).
+    result = subprocess.run([*run, "--backend", "nccl"], capture_output=True, text=True,
+                            env={**_agent_env(), "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("Error: transport nccl needs a GPU: GPU 0 is not among "
+                                     "the 0 this process may use (CUDA_VISIBLE_DEVICES='')"
+                                     ), result.stderr
 
 
 @pytest.mark.slow
@@ -656,8 +666,11 @@ def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api,
     doc["spec"]["checkpoint"] = {"path": str(tmp_path / "ckpt"), "everySteps": every,
                                  "peerSnapshots": snapshots, "snapshotEverySteps": 2}
     create(api, doc)
+    # With peer snapshots, under NCCL's rules (nccl-model): the survivors' exchanges with the
+    # lost pod fail, every world is aborted, and the rebuild's buckets post as NCCL runs them.
+    backend = ("--backend", "nccl-model") if snapshots else ()
     pods = Pods(str(emulator.kubeconfig), tmp_path, report=tmp_path / "report.json",
-                args=("--lost-after", "1"))
+                args=("--lost-after", "1", *backend))
     observer = Observer(api)
     w0, w1, w2, w3 = (f"tiny-worker-{i}" for i in range(4))
     set_status(api, {"target": {"workers": 4, "generation": 0, "join": [w0, w1, w2, w3],
@@ -689,6 +702,7 @@ def test_agents_recover_from_lost_workers_bitwise_as_a_static_run(emulator, api,
         pods.stop()
 
     report = json.loads((tmp_path / "report.json").read_text())
+    assert report["transport"] == ("nccl-model" if snapshots else "gloo")
     first, second = report["recoveries"]
     assert first["lost"] == [w3] and second["lost"] == [w1]
     for recovery, members, shape in ((first, [w0, w1, w2], shapes[1]),

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tests.jobs import small_job
+from tests.jobs import NCCL_MODEL, small_job
 from tidal_agent import checkpoint
 from tidal_agent.runner import RunError, run_elastic, run_local
 from tidal_agent.world import Rendezvous, build_world, ensure_default_group
@@ -45,7 +45,7 @@ def test_lost_worker_stops_the_job_and_it_resumes_with_the_rest(tmp_path):
     started = time.monotonic()
     with pytest.raises(RunError, match=r"worker-1 exited with code -9"):
         run_local(job, resolve_layout(job, workers=3), steps=12, timeout_s=TIMEOUT_S,
-                  on_step=_kill("worker-1"), transport="nccl-model")
+                  on_step=_kill("worker-1"), devices=NCCL_MODEL)
     assert time.monotonic() - started < 60  # start-up plus a few steps, not a hang
     assert not [p for p in mp.active_children() if p.name.startswith("tidal-")]
 

@@ -9,13 +9,14 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from tests.jobs import small_job
+from tests.jobs import NCCL_MODEL, small_job
 from tidal_agent.hf import WeightsError, hf_name
 from tidal_agent.model import StageModule, UnitContext
 from tidal_agent.runner import run_elastic, run_local
 from tidal_agent.trainer import batch_source
 from tidal_api import parse_job
 from tidal_plan.elastic import elastic_plan
+from tidal_plan.gpus import Devices
 from tidal_plan.layout import resolve_layout
 
 pytestmark = pytest.mark.slow
@@ -49,9 +50,9 @@ def _bits(report):
     return [s["loss_hex"] for s in report["steps"]], report["params_sha256"]
 
 
-def _run(job, workers, schedule="1f1b", partition=None, transport="gloo"):
+def _run(job, workers, schedule="1f1b", partition=None, devices=Devices()):
     layout = resolve_layout(job, workers=workers, schedule=schedule, partition=partition)
-    return _bits(run_local(job, layout, steps=STEPS, timeout_s=120, transport=transport))
+    return _bits(run_local(job, layout, steps=STEPS, timeout_s=120, devices=devices))
 
 
 @pytest.fixture(scope="module")
@@ -249,15 +250,15 @@ def test_tied_embeddings_are_two_copies_that_stay_equal_in_every_layout(tmp_path
     EMBEDDING = embedding_name(job.spec.model)  # noqa: N806
     reference = _run(job, 1)
     assert _run(job, 3, "1f1b", (2, 3, 1)) == reference
-    assert _run(job, 2, "interleaved", transport="nccl-model") == reference
-    assert _run(job, 4, "zb", transport="nccl-model") == reference
+    assert _run(job, 2, "interleaved", devices=NCCL_MODEL) == reference
+    assert _run(job, 4, "zb", devices=NCCL_MODEL) == reference
     assert _run(job, 2, "gpipe") == reference
     gens, layouts = elastic_plan(job, [(0, 2), (2, 3), (4, 2)])
     doc = job.model_dump(by_alias=True, exclude_none=True)
     doc["spec"]["checkpoint"] = {"path": str(tmp_path), "everySteps": STEPS}
     saved = parse_job(doc)
     assert _bits(run_elastic(saved, gens, layouts, steps=STEPS, timeout_s=120,
-                             transport="nccl-model")) == reference
+                             devices=NCCL_MODEL)) == reference
     final = checkpoint.load_parameters(job.spec.model, tmp_path / f"step-{STEPS:08d}")
     start = StageModule(job.spec.model, range(job.spec.model.num_units), seed=TRAINING["seed"])
     assert torch.equal(start.state_dict()[EMBEDDING], start.state_dict()[LM_HEAD])

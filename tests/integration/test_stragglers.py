@@ -3,7 +3,7 @@ job re-partitions around it through the live switch with the bits of one process
 
 import pytest
 
-from tests.jobs import small_job
+from tests.jobs import NCCL_MODEL, small_job
 from tidal_agent.runner import run_local
 from tidal_plan.layout import build_layout
 
@@ -34,7 +34,7 @@ def test_a_slow_worker_is_planned_around_and_back_with_the_bits_of_one_process()
     # worker-1's layer forwards last 5x as long from step 4 to step 11. The factor, 2.5,
     # leaves room for what the re-planned layout's load pattern does alone (up to 2x here).
     report = run_local(_job(replan=True), _layout(2), steps=STEPS, timeout_s=60,
-                       slowdown=(("worker-1", 4, 12, 5.0),), transport="nccl-model")
+                       slowdown=(("worker-1", 4, 12, 5.0),), devices=NCCL_MODEL)
     assert _bits(report) == _bits(alone)
     flags = [(s["member"], s["flagged"]) for s in report["stragglers"]]
     assert flags == [("worker-1", True), ("worker-1", False)]

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from tests.jobs import small_job
+from tests.jobs import NCCL_MODEL, small_job
 from tidal_agent import checkpoint
 from tidal_agent.runner import RunError, run_elastic, run_local
 from tidal_plan.elastic import Generation, logical_replicas
@@ -70,7 +70,7 @@ def test_switching_dp_and_pp_live_has_the_bits_and_moves_the_minimum(alone):
     gens = [Generation(index=i, at_step=i, members=m) for i, m in enumerate(members)]
     layouts = [_layout(1, 4), _layout(2, 2), _layout(4, 1), _layout(2, 3), _layout(1, 4)]
     report = run_elastic(_job(), gens, layouts, steps=STEPS, timeout_s=60,
-                         transport="nccl-model")
+                         devices=NCCL_MODEL)
     switches = report["reconfigurations"]
     assert [c["at_step"] for c in switches] == [1, 2, 3, 4]
     assert all(c["bytes_moved"] == c["bytes_min"] > 0 for c in switches)

@@ -8,7 +8,7 @@ import pytest
 
 from tidal_api import ModelSpec
 from tidal_plan.costmodel import model_costs, predict, unit_costs
-from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, load_device
+from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, gpu_description, load_device
 from tidal_plan.layout import build_layout
 from tidal_plan.modelshape import (
     FLEXTRAIN,
@@ -216,6 +216,17 @@ def test_builtin_devices():
     assert load_device("h100") is H100
     assert H100.memory_bytes == 80 * GIB and H100.dtype_bytes == 2
     assert load_device("cpu").dtype_bytes == 4
+    h200 = load_device("h200")  # an H100's compute, more and faster memory
+    assert h200.peak_flops == H100.peak_flops and h200.memory_bytes == 141 * GIB
+    assert h200.memory_bandwidth == 4.8e12 > H100.memory_bandwidth
+
+
+@pytest.mark.parametrize(("gpu", "description"), [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100"), ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-80GB", None), ("Tesla T4", None),
+])
+def test_a_gpu_is_described_by_its_name(gpu, description):
+    assert gpu_description(gpu) == description
 
 
 def test_device_from_json(tmp_path):
@@ -243,7 +254,7 @@ def test_bad_device_files_say_what_is_wrong(tmp_path, content, message):
 
 
 def test_unknown_device_name_lists_the_builtins():
-    with pytest.raises(DeviceError, match=r"use one of \['cpu', 'h100'\]"):
+    with pytest.raises(DeviceError, match=r"use one of \['cpu', 'h100', 'h200'\]"):
         load_device("tpu")
 
 
