@@ -96,6 +96,7 @@ class Reconfigured:
     bytes_min: int
     buckets: int
     released_at_once: bool  # the leavers went at the boundary, their keepers sending
+    peak_gpu_bytes: int | None = None  # the leader's GPU during the switch (None: a CPU)
 
     def record(self) -> dict[str, Any]:
         return {"at_step": self.at_step, "generation": self.generation,
@@ -104,7 +105,7 @@ class Reconfigured:
                 "pause_s": self.pause_s, "world_s": self.world_s, "rebuild_s": self.rebuild_s,
                 "transfer_s": self.transfer_s, "bytes_moved": self.bytes_moved,
                 "bytes_min": self.bytes_min, "buckets": self.buckets,
-                "released_at_once": self.released_at_once}
+                "released_at_once": self.released_at_once, "peak_gpu_bytes": self.peak_gpu_bytes}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -201,6 +202,7 @@ class Finished:
     worker: str
     digests: dict[int, tuple[str, str]]  # global index -> (name, sha256)
     peak_rss_bytes: int = 0  # the process's peak resident memory
+    peak_gpu_bytes: int | None = None  # its GPU's peak allocated memory (None: a CPU)
 
 
 def peak_rss_bytes() -> int:
@@ -215,6 +217,7 @@ class Left:
     worker: str
     step: int | None
     peak_rss_bytes: int = 0
+    peak_gpu_bytes: int | None = None  # as Finished's
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -193,6 +193,8 @@ def run_elastic(
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
         "peak_rss_bytes": dict(sorted(collected.peak_rss.items())),
+        # per worker: its GPU's peak allocated bytes (null on a CPU)
+        "peak_gpu_bytes": dict(sorted(collected.peak_gpu.items())),
         "profile": collected.profile,  # the first generation's
         # per profile (each generation's first steps): path, layout, steps [first, last)
         "profiles": collected.profiles,
@@ -250,6 +252,7 @@ class _Collected(Listener):
         self.digests: dict[int, tuple[str, str]] = {}
         self.finished: set[str] = set()  # workers done or gone
         self.peak_rss: dict[str, int] = {}  # per worker that said, its peak resident bytes
+        self.peak_gpu: dict[str, int | None] = {}
         self._ready: set[str] = set()
 
     def on_failed(self, event: Failed) -> None:
@@ -289,12 +292,15 @@ class _Collected(Listener):
 
     def on_finished(self, event: Finished) -> None:
         self.digests.update(event.digests)
-        self.finished.add(event.worker)
-        self.peak_rss[event.worker] = event.peak_rss_bytes
+        self._gone(event)
 
     def on_left(self, event: Left) -> None:
+        self._gone(event)
+
+    def _gone(self, event: Finished | Left) -> None:
         self.finished.add(event.worker)
         self.peak_rss[event.worker] = event.peak_rss_bytes
+        self.peak_gpu[event.worker] = event.peak_gpu_bytes
 
     def on_ready(self, event: Ready) -> None:
         self._ready.add(event.worker)

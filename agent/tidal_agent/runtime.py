@@ -19,7 +19,6 @@ runtime checks.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -113,9 +112,9 @@ class PipelineRuntime:
             if profiler is None:
                 self._handlers[action.kind](action)
             else:
-                started = time.perf_counter()
+                started = profiler.mark()
                 self._handlers[action.kind](action)
-                profiler.action_done(action, time.perf_counter() - started)
+                profiler.action_done(action, started, profiler.mark())
         for work, _ in self._state.sends:
             work.wait()
         values = {
@@ -143,7 +142,7 @@ class PipelineRuntime:
             x = self._take_received(Kind.RECV_F, s, m, st.inputs)
             x.requires_grad_(True)
             st.inputs[(s, m)] = x
-        if self.profiler is not None and self.profiler.hooks:
+        if self._hooked() is not None:
             out, losses = self.profiler.forward(s, m, self.stages[s], x, self._context(m))
         else:
             out, losses = self.stages[s](x, self._context(m))
@@ -167,21 +166,26 @@ class PipelineRuntime:
             st.roots[(s, m)] = (roots, grads)
         return st.roots[(s, m)]
 
+    def _hooked(self) -> UnitProfiler | None:
+        """The profiler while its unit hooks are on (the first profiled step), else None."""
+        return self.profiler if self.profiler is not None and self.profiler.hooks else None
+
     def _backward_full(self, action: Action) -> None:
         s, m = action.stage, action.mb
-        if self.profiler is not None and self.profiler.hooks and (s, m) in self._state.inputs:
+        hooked = self._hooked()
+        if hooked is not None and (s, m) in self._state.inputs:
             # Profiling measures I and W apart; the split computes the same bits as B.
             self._backward_input(Action(s, Kind.I, m))
             self._backward_weight(Action(s, Kind.W, m))
             return
         roots, grads = self._roots(s, m)
         x = self._state.inputs.get((s, m))
-        started = time.perf_counter()
+        started = hooked.mark() if hooked is not None else None
         # The engine accumulates parameter gradients into .grad (mb order = call order) and
         # leaves the input gradient in x.grad.
         torch.autograd.backward(roots, grads)
-        if self.profiler is not None and self.profiler.hooks:  # the first stage: I and W together
-            self.profiler.input_grad_done(s, m, started, time.perf_counter())
+        if hooked is not None:  # the first stage: I and W together
+            hooked.input_grad_done(s, m, started, hooked.mark())
         if x is not None:
             self._input_grad_done(s, m, x.grad)
         self._release(s, m)
@@ -192,28 +196,30 @@ class PipelineRuntime:
         if x is None:  # the first stage has no input gradient; W does all its work
             return
         roots, grads = self._roots(s, m)
-        started = time.perf_counter()
+        hooked = self._hooked()
+        started = hooked.mark() if hooked is not None else None
         # torch's split backward: the input gradient now, with the gradients reaching the
         # weight-consuming nodes kept so W need not run the backward again.
         (gx,), groups = stage_backward_input(roots, grads, [x], iter(self._params(s)))
-        if self.profiler is not None and self.profiler.hooks:
-            self.profiler.input_grad_done(s, m, started, time.perf_counter())
+        if hooked is not None:
+            hooked.input_grad_done(s, m, started, hooked.mark())
         self._state.weight_groups[(s, m)] = groups
         self._input_grad_done(s, m, gx)
 
     def _backward_weight(self, action: Action) -> None:
         s, m = action.stage, action.mb
         groups = self._state.weight_groups.pop((s, m), None)
-        started = time.perf_counter()
+        hooked = self._hooked()
+        started = hooked.mark() if hooked is not None else None
         if groups is None:
             roots, grads = self._roots(s, m)
             torch.autograd.backward(roots, grads, inputs=self._params(s))
-            if self.profiler is not None and self.profiler.hooks:  # the first stage: I and W
-                self.profiler.input_grad_done(s, m, started, time.perf_counter())
+            if hooked is not None:  # the first stage: I and W
+                hooked.input_grad_done(s, m, started, hooked.mark())
         else:
             stage_backward_weight(iter(self._params(s)), groups)
-            if self.profiler is not None and self.profiler.hooks:
-                self.profiler.weight_grad_done(s, time.perf_counter() - started)
+            if hooked is not None:
+                hooked.weight_grad_done(s, started, hooked.mark())
         self._release(s, m)
 
     def _input_grad_done(self, s: int, m: int, gx: torch.Tensor) -> None:
@@ -267,10 +273,12 @@ class PipelineRuntime:
         posted = self._state.pending.pop((kind, s, m), None)
         if posted is not None:
             work, buf = posted
-            started = time.perf_counter()
-            work.wait()
-            if self.profiler is not None:
-                self.profiler.waited(time.perf_counter() - started)
+            if self.profiler is None:
+                work.wait()
+            else:  # on a GPU: how long the device's work stood waiting for the data
+                started = self.profiler.mark()
+                work.wait()
+                self.profiler.waited(started, self.profiler.mark())
             return buf
         try:
             return local.pop((s, m))

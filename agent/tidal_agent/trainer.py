@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tidal_agent.data import BatchSource, PackedShards, SyntheticCorpus, TokenFile
+from tidal_agent.measure import Clock
 from tidal_agent.model import StageModule, global_parameter_names
 from tidal_agent.optim import (
     ClipMode,
@@ -128,6 +129,8 @@ class Trainer:
             ).to(device)
             for s in layout.rank_stages(pp_rank)
         }
+        for stage in self.stages.values():
+            stage.layer_clock.clock = Clock(device)
         index = {name: i for i, name in enumerate(global_parameter_names(model))}
         self.num_params = len(index)
         named = [(n, p) for st in self.stages.values() for n, p in st.named_parameters()]
@@ -205,9 +208,10 @@ class Trainer:
         lr = lr_at(step, self.spec.training)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        started = time.perf_counter()
+        profiler = self.runtime.profiler
+        started = profiler.mark() if profiler is not None else None
         loss_values = self.runtime.run_step(step, self.actions)
-        pipelined = time.perf_counter()
+        pipelined = profiler.mark() if profiler is not None else None
         if self._logical is not None and not self._subtrees:
             self._logical.finish()
         if self.dp_world is not None:
@@ -225,15 +229,14 @@ class Trainer:
             world=self.world, contributes=self.replica == 0, mode=self.clip_mode,
             uncounted=self._uncounted,
         )
-        optimizing = time.perf_counter()
+        optimizing = profiler.mark() if profiler is not None else None
         self.optimizer.step()
-        profiler = self.runtime.profiler
         if profiler is not None:
-            profiler.optimizer_s.append(time.perf_counter() - optimizing)
+            profiler.optimizer_done(optimizing, profiler.mark())
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._step_loss(loss_values)
         if profiler is not None:
-            profiler.step_done(pipelined - started, time.perf_counter() - pipelined)
+            profiler.step_done(started, pipelined, profiler.mark())
         return StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr)
 
     def _step_loss(self, loss_values: dict[tuple[int, int], list[float]]) -> float:
@@ -253,14 +256,13 @@ class Trainer:
         return total / m_count
 
     def layer_seconds(self) -> float | None:
-        """The median wall seconds of this rank's decoder-layer forwards since the last call
-        (None: it ran none), for straggler detection; the clocks start again. The median, as
-        a forward now and then pays for something else (a layer right after a wait runs on
-        cold caches)."""
+        """The median seconds of this rank's decoder-layer forwards since the last call (None:
+        it ran none), for straggler detection; the clocks start again. The median, as a forward
+        now and then pays for something else (a layer right after a wait runs on cold caches).
+        On a GPU it waits for the layers timed: call it after the step's synchronisation."""
         seconds = []
         for stage in self.stages.values():
-            seconds += stage.layer_clock.seconds
-            stage.layer_clock.seconds = []
+            seconds += stage.layer_clock.take()
         return statistics.median(seconds) if seconds else None
 
     def slow_down(self, factor: float) -> None:

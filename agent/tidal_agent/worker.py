@@ -65,6 +65,7 @@ from tidal_agent.calibrate import calibrate_trainer, time_collectives
 from tidal_agent.events import (Checkpointed, EventSink, Failed, Finished, Halted, Left,
                                 Profiled, Ready, Reconfigured, Recovered, Released, Stepped,
                                 peak_rss_bytes)
+from tidal_agent.measure import Clock, MemoryPeaks
 from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile
 from tidal_agent.protocol import GenerationSource, Halt, LeaderLost, Recovery, StaticGenerations
@@ -168,6 +169,7 @@ class _Worker:
             index = int(me.rsplit("-", 1)[1]) % torch.cuda.device_count()
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
+        self.peaks = MemoryPeaks(self.device)  # GPU memory: the run's, the switch's, the profile's
         self.metas = state_metadata(spec.model)
         self.snapshots = (PeerSnapshots(self.metas, self.device, every=opts.snapshot_every)
                           if opts.peer_snapshots else None)
@@ -185,6 +187,11 @@ class _Worker:
     @property
     def leader(self) -> bool:
         return self.me == self.source.leader
+
+    def _memory(self) -> dict:
+        """What this worker's memory peaked at so far, its process's and its GPU's (None on a
+        CPU), for its last event."""
+        return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": self.peaks.run()}
 
     @property
     def _stopping(self) -> bool:
@@ -205,7 +212,7 @@ class _Worker:
     def run(self) -> None:
         started = self.source.start(self.me)
         if started is None:  # let go from standby before any generation needed it
-            self.events.put(Left(worker=self.me, step=None, peak_rss_bytes=peak_rss_bytes()))
+            self.events.put(Left(worker=self.me, step=None, **self._memory()))
             return
         enter: Callable[[], tuple[Trainer, World, int]] = partial(self._enter, *started)
         while True:
@@ -225,7 +232,7 @@ class _Worker:
                     raise
             if recovery is None:  # released while the others recovered
                 self.events.put(Left(worker=self.me, step=self._step,
-                                     peak_rss_bytes=peak_rss_bytes()))
+                                     **self._memory()))
                 return
             enter = partial(self._resume, recovery, failed)
 
@@ -282,7 +289,7 @@ class _Worker:
                 if self.snapshots is not None:
                     self.snapshots.settle()  # its newest copy whole at its keeper
                 source.depart(self.me, step)
-                self.events.put(Left(worker=self.me, step=step, peak_rss_bytes=peak_rss_bytes()))
+                self.events.put(Left(worker=self.me, step=step, **self._memory()))
                 return
             if following is not None and step == following.at_step:
                 trainer, world = self._switch(gen, following, trainer, world, builder, plan)
@@ -297,7 +304,7 @@ class _Worker:
             self._train_step(trainer, step, watch)
             step += 1
         self.events.put(Finished(worker=self.me, digests=trainer.parameter_digests(),
-                                 peak_rss_bytes=peak_rss_bytes()))
+                                 **self._memory()))
 
     def _profile_from(self, start: int) -> None:
         """A generation trains from ``start``: profile its first steps (after the switch's cold
@@ -331,7 +338,7 @@ class _Worker:
             release_s=None if ended is None else time.perf_counter() - ended,
             snapshot_s=self._held_s or 0.0,
         ))
-        self.events.put(Left(worker=self.me, step=step, peak_rss_bytes=peak_rss_bytes()))
+        self.events.put(Left(worker=self.me, step=step, **self._memory()))
 
     def _halt(self, trainer: Trainer, step: int) -> None:
         """Save the boundary the job halts at (every member calls it) and tell the launcher
@@ -406,7 +413,8 @@ class _Worker:
         first, last = self._window
         profiling = first <= step < last
         if profiling and trainer.runtime.profiler is None:
-            trainer.runtime.profiler = UnitProfiler()
+            trainer.runtime.profiler = UnitProfiler(Clock(self.device))
+            self.peaks.start()
         if profiling:  # unit hooks in the first profiled step; the others run plain, timed
             trainer.runtime.profiler.hooks = step == first
         for member, begin, end, factor in self.opts.slowdown:
@@ -451,6 +459,7 @@ class _Worker:
         p2p = trainer.profile_p2p()
         part = {"rank": trainer.world.rank, "pp_rank": trainer.pp_rank,
                 "units": profiler.units(), "p2p": p2p,
+                "peak_gpu_bytes": self.peaks.window(),  # the profiled steps': before calibrating
                 "optimizer_s": statistics.median(profiler.optimizer_s),
                 "actions_s": profiler.actions(),
                 "steps": profiler.step_parts,
@@ -498,6 +507,7 @@ class _Worker:
                 builder: WorldBuilder | None, plan: ReshardPlan,
                 ) -> tuple[Trainer | None, World | None]:
         paused = time.perf_counter()
+        self.peaks.start()
         growing = len(new.members) > len(old.members)
         cut = None if growing else self._kept_cut(old, new, world)
         if cut is not None:
@@ -524,7 +534,7 @@ class _Worker:
                 pause_s=time.perf_counter() - (self._last_step_end or paused),
                 world_s=world_s, rebuild_s=rebuild_s, transfer_s=stats.seconds,
                 bytes_moved=plan.bytes_moved, bytes_min=plan.bytes_min, buckets=stats.buckets,
-                released_at_once=cut is not None,
+                released_at_once=cut is not None, peak_gpu_bytes=self.peaks.window(),
             ))
         return new_trainer, new_world
 
