@@ -260,6 +260,7 @@ class StageModule(nn.Module):
     def __init__(
         self, model: ModelSpec, units: range, seed: int, *, initialise: bool = True,
         precision: str = "fp32", checkpointing: bool = False,
+        empty_on: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         self.model, self.units = model, units
@@ -280,8 +281,8 @@ class StageModule(nn.Module):
         if mtp:
             self.mtp = nn.ModuleDict(mtp)
         self._ordered = [built[u] for u in units]
-        if not initialise:
-            self.to_empty(device="cpu")
+        if not initialise:  # "meta": no memory, for a caller that gives the tensors
+            self.to_empty(device=empty_on)
         self.layer_clock = LayerClock()
 
     def forward(self, h: torch.Tensor | None, ctx: UnitContext):

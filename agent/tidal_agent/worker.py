@@ -70,7 +70,7 @@ from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile
 from tidal_agent.protocol import GenerationSource, Halt, LeaderLost, Recovery, StaticGenerations
 from tidal_agent.recovery import rebuild, save_cut
-from tidal_agent.snapshot import Cut, PeerSnapshots
+from tidal_agent.snapshot import Cut, PeerSnapshots, state_index
 from tidal_agent.stragglers import StragglerWatch
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer
@@ -197,10 +197,11 @@ class _Worker:
     def _stopping(self) -> bool:
         return self.opts.stop is not None and self.opts.stop.is_set()
 
-    def _trainer(self, gen: Generation, world: World, *, initialise: bool) -> Trainer:
+    def _trainer(self, gen: Generation, world: World, *, initialise: bool,
+                 kept: dict[str, torch.Tensor] | None = None) -> Trainer:
         trainer = Trainer(spec=self.spec, layout=self.source.layout(gen), world=world,
                           device=self.device, clip_mode=self.opts.clip_mode,
-                          initialise=initialise)
+                          initialise=initialise, kept=kept)
         if self.opts.checkpoint_root:
             # Checkpoints need the default process group. Joined here, with the world, where
             # every member is; joined at the generation's first save instead, a member lost
@@ -521,10 +522,13 @@ class _Worker:
         world_s = time.perf_counter() - paused
         transition = world if cut is None and not growing else new_world
         rebuilt = time.perf_counter()
-        new_trainer = self._trainer(new, new_world, initialise=False) if new_world else None
+        new_trainer = None
+        if new_world is not None:  # what leaves goes to host memory before what arrives is made
+            holds = state_index(self.metas, Placement(layout=self.source.layout(new),
+                                                      workers=new.members), self.me)
+            kept = carry_over(plan, self.me, trainer, holds)
+            new_trainer = self._trainer(new, new_world, initialise=False, kept=kept)
         rebuild_s = time.perf_counter() - rebuilt
-        if new_trainer is not None:
-            carry_over(plan, self.me, trainer, new_trainer)
         stats = self._reshard(plan, transition, trainer, new_trainer, cut)
         if self.leader:
             self.events.put(Reconfigured(

@@ -1,5 +1,5 @@
 """GPU work measured as such, checked on the CPU through the same code: device marks read
-later, and calibration on the run's own modules."""
+later, calibration on the run's own modules, and a switch that allocates only what arrives."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.commands import TINY
 from tidal_agent.measure import Clock, HostEvent, MemoryPeaks
@@ -148,3 +149,47 @@ def test_calibration_runs_on_the_stage_itself_and_leaves_every_bit_of_the_run():
     [stage] = out
     assert sorted(stage["units"]) == list(range(8)) and stage["stage"] is not None
     assert all(t > 0 for t in stage["units"][1]["forward"])
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of the tensors that factory ops allocate off the meta device."""
+
+    FACTORIES = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones",
+                 "ones_like", "full", "full_like", "randn", "rand"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.FACTORIES and isinstance(out, torch.Tensor) \
+                and out.device.type != "meta":
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def test_a_switch_allocates_only_the_state_that_arrives():
+    from tidal_agent.snapshot import state_index
+    from tidal_agent.switch import carry_over, state_metadata
+    from tidal_plan.reshard import Placement, plan_reshard
+
+    spec = _spec()
+    metas = state_metadata(spec.model)
+    # w0 ran units 0-3 of a two-stage pipeline; alone now, it keeps those and receives 4-7.
+    old = _trainer(spec, partition=(4, 4), world=_world(("w0", "w1")))
+    before = {name: t for name, t in old.state_tensors().items()}
+    new_layout = _layout(spec, (8,))
+    plan = plan_reshard(Placement(layout=old.layout, workers=("w0", "w1")),
+                        Placement(layout=new_layout, workers=("w0",)), metas)
+    holds = state_index(metas, Placement(layout=new_layout, workers=("w0",)), "w0")
+    kept = carry_over(plan, "w0", old, holds)
+    assert set(kept) == set(before)  # everything w0 held stays with it
+    with _Allocations() as allocations:
+        new = _trainer(spec, partition=(8,), initialise=False, kept=kept)
+    arriving = sum(t.nbytes for t in plan.transfers if t.dst == "w0")
+    assert arriving > 0
+    assert allocations.bytes == arriving  # the kept state is not allocated a second time
+    state = new.state_tensors()
+    assert all(state[name] is t or state[name].data_ptr() == t.data_ptr()
+               for name, t in before.items())
