@@ -203,6 +203,7 @@ class Finished:
     digests: dict[int, tuple[str, str]]  # global index -> (name, sha256)
     peak_rss_bytes: int = 0  # the process's peak resident memory
     peak_gpu_bytes: int | None = None  # its GPU's peak allocated memory (None: a CPU)
+    snapshot_bytes: dict[str, int] | None = None  # peer snapshots' peak host memory (None: off)
 
 
 def peak_rss_bytes() -> int:
@@ -218,6 +219,7 @@ class Left:
     step: int | None
     peak_rss_bytes: int = 0
     peak_gpu_bytes: int | None = None  # as Finished's
+    snapshot_bytes: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -193,8 +193,10 @@ def run_elastic(
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
         "peak_rss_bytes": dict(sorted(collected.peak_rss.items())),
-        # per worker: its GPU's peak allocated bytes (null on a CPU)
+        # per worker: its GPU's peak allocated bytes (null on a CPU), and its peer snapshots'
+        # peak host memory, {pinned, pageable} (null without snapshots)
         "peak_gpu_bytes": dict(sorted(collected.peak_gpu.items())),
+        "snapshot_bytes": dict(sorted(collected.snapshot_bytes.items())),
         "profile": collected.profile,  # the first generation's
         # per profile (each generation's first steps): path, layout, steps [first, last)
         "profiles": collected.profiles,
@@ -253,6 +255,7 @@ class _Collected(Listener):
         self.finished: set[str] = set()  # workers done or gone
         self.peak_rss: dict[str, int] = {}  # per worker that said, its peak resident bytes
         self.peak_gpu: dict[str, int | None] = {}
+        self.snapshot_bytes: dict[str, dict[str, int] | None] = {}
         self._ready: set[str] = set()
 
     def on_failed(self, event: Failed) -> None:
@@ -301,6 +304,7 @@ class _Collected(Listener):
         self.finished.add(event.worker)
         self.peak_rss[event.worker] = event.peak_rss_bytes
         self.peak_gpu[event.worker] = event.peak_gpu_bytes
+        self.snapshot_bytes[event.worker] = event.snapshot_bytes
 
     def on_ready(self, event: Ready) -> None:
         self._ready.add(event.worker)

@@ -189,9 +189,10 @@ class _Worker:
         return self.me == self.source.leader
 
     def _memory(self) -> dict:
-        """What this worker's memory peaked at so far, its process's and its GPU's (None on a
-        CPU), for its last event."""
-        return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": self.peaks.run()}
+        """What this worker's memory peaked at so far: its process's, its GPU's (None on a CPU)
+        and its peer snapshots' host memory (None without them), for its last event."""
+        return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": self.peaks.run(),
+                "snapshot_bytes": self.snapshots.peak_bytes if self.snapshots else None}
 
     @property
     def _stopping(self) -> bool:

@@ -103,3 +103,10 @@ def test_with_peer_snapshots_leavers_go_at_once_where_their_keepers_stay(tmp_pat
         ([3, 2], True), ([2, 4], False), ([4, 2], False)]
     assert [s["loss_hex"] for s in elastic["steps"]] == [s["loss_hex"] for s in static["steps"]]
     assert elastic["params_sha256"] == static["params_sha256"]
+    # Each worker's snapshots in host memory: at most four copies of the largest state it held
+    # (at 2 workers, about half the model's), none pinned off a GPU.
+    from tidal_agent.switch import state_metadata
+
+    state = sum(m.numel * m.itemsize for m in state_metadata(job.spec.model))
+    for worker, held in elastic["snapshot_bytes"].items():
+        assert held["pinned"] == 0 and 0 < held["pageable"] <= 4 * 0.6 * state, worker

@@ -1,5 +1,6 @@
 """GPU work measured as such, checked on the CPU through the same code: device marks read
-later, calibration on the run's own modules, and a switch that allocates only what arrives."""
+later, calibration on the run's own modules, a switch that allocates only what arrives, and
+peer snapshots whose host memory does not grow."""
 
 from __future__ import annotations
 
@@ -193,3 +194,69 @@ def test_a_switch_allocates_only_the_state_that_arrives():
     state = new.state_tensors()
     assert all(state[name] is t or state[name].data_ptr() == t.data_ptr()
                for name, t in before.items())
+
+
+def _snapshot_world(generation: int, pgs, rank: int) -> World:
+    return World(generation=generation, members=("w0", "w1"), rank=rank, pg=pgs[rank],
+                 store=dist.HashStore(),
+                 rendezvous=Rendezvous(host="127.0.0.1", port=0, prefix="t/"),
+                 name=f"gen{generation}", cpu=pgs[rank])
+
+
+def test_snapshot_host_memory_is_reported_and_does_not_grow_across_generations():
+    import threading
+
+    from tidal_agent.snapshot import PeerSnapshots
+    from tidal_plan.reshard import TensorMeta
+
+    metas = [TensorMeta(name=f"u{u}", numel=100 * (u + 1), unit=u, itemsize=4)
+             for u in range(4)]
+    # Two layouts of two members, the state shifting between them: w0 holds 1 or 3 units.
+    layouts = [Layout(pp=2, partition=p, micro_batch_size=1, num_micro_batches=2)
+               for p in ((1, 3), (3, 1))]
+    store = dist.HashStore()
+    pgs: list = [None, None]
+
+    def connect(rank: int) -> None:
+        pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    held: dict[int, list[dict[str, int]]] = {0: [], 1: []}
+    errors = []
+
+    def member(rank: int) -> None:
+        try:
+            snapshots = PeerSnapshots(metas, torch.device("cpu"), every=1)
+            step = 0
+            for generation in range(6):  # a switch between the two layouts every 2 steps
+                world = _snapshot_world(generation, pgs, rank)
+                layout = layouts[generation % 2]
+                names = [m.name for m in metas
+                         if (m.unit < layout.partition[0]) == (rank == 0)]
+                state = {n: torch.full((next(m.numel for m in metas if m.name == n),),
+                                       float(step)) for n in names}
+                for _ in range(2):
+                    snapshots.take(world, generation, layout, step, state)
+                    step += 1
+                snapshots.settle()
+                held[rank].append(snapshots.host_bytes())
+            assert snapshots.peak_bytes["pageable"] >= max(h["pageable"] for h in held[rank])
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for rank in range(2):
+        assert all(h["pinned"] == 0 for h in held[rank])  # a CPU's state: nothing to pin
+        # After the first switch back and forth, no generation adds host memory.
+        assert len({h["pageable"] for h in held[rank][1:]}) == 1
+        largest = max(sum(m.numel for m in metas[:3]), sum(m.numel for m in metas[1:]))
+        assert held[rank][-1]["pageable"] <= 4 * largest * 4
