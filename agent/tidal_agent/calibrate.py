@@ -3,15 +3,16 @@
 What the online profiler (``tidal_agent.profiler``) times in the run's own steps holds for the
 run's layout only: the hooks cost time, and a unit's cost is not proportional to the
 micro-batch size (a fixed part is Python, dispatch and autograd-engine overhead). So every rank
-also measures, on copies, never touching the run's parameters, gradients or optimizer state
-(the run keeps its bits):
+also measures, beside the steps, on its own stage modules and device, leaving the run's
+parameters, gradients and optimizer state as they were, bit for bit:
 
-- ``calibrate_stage``: copies of the rank's units run alone and all together, at the run's
-  micro-batch size and at twice it, for every action kind (F, fused B, split I and W) and for
-  the post-pipeline work of their parameters (gradient norms, clip, AdamW, zero_grad). A stage
+- ``calibrate_stage``: the rank's units run alone and all together, at the run's micro-batch
+  size and at twice it, for every action kind (F, fused B, split I and W) and for the
+  post-pipeline work of their parameters (gradient norms, clip, AdamW, zero_grad). A stage
   action costs a fixed per-action overhead plus its units' costs, so the difference between
   the singles' sum and the whole stage gives the overhead, and the two sizes give each unit's
-  fixed and per-sample parts;
+  fixed and per-sample parts. Times are the device's (``tidal_agent.measure``), read after
+  each pass;
 - ``time_messages``: what a message between pipeline neighbours costs on the run's transport,
   beyond posting it: its latency to a receiver already waiting, its delay to one that posts
   after the sender (gloo's rendezvous), and the CPU seconds each end burns in its process;
@@ -20,16 +21,17 @@ also measures, on copies, never touching the run's parameters, gradients or opti
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from tidal_agent.data import BatchSource
-from tidal_agent.model import Unit, UnitContext
+from tidal_agent.measure import Clock, Span
+from tidal_agent.model import StageModule, Unit, UnitContext
 from tidal_agent.optim import build_adamw
 from tidal_agent.profiler import CALIBRATED
 from tidal_agent.trainer import Trainer
@@ -37,92 +39,135 @@ from tidal_agent.transport import recv, send
 
 
 def calibrate_stage(
-    units: Sequence[Unit],
+    stage: StageModule,
     micro_batch_size: int,
     tokens: Callable[[int], torch.Tensor],
-    optimizer: Callable[[list], torch.optim.Optimizer],
+    optimizer: torch.optim.Optimizer,
+    build_optimizer: Callable[[list], torch.optim.Optimizer],
     *,
+    device: torch.device,
     repeats: int = 5,
 ) -> dict:
-    """Time copies of one stage's units, alone and together, at two micro-batch sizes.
+    """Time one stage's units, alone and together, at two micro-batch sizes, on ``device``.
 
-    ``tokens(m)`` loads a micro-batch of ``m`` samples the way the run does; ``optimizer``
-    builds the run's optimizer over ``(name, parameter)`` pairs. Returns, per size, the median
-    seconds of every kind in ``CALIBRATED`` for each unit alone (``units``) and, for a stage
-    of several units, for all of them as one action (``stage``).
+    ``tokens(m)`` loads a micro-batch of ``m`` samples the way the run does, onto the device;
+    ``optimizer`` is the run's, ``build_optimizer`` builds one like it over ``(name,
+    parameter)`` pairs. Returns, per size, the median seconds of every kind in ``CALIBRATED``
+    for each unit alone (``units``) and, for a stage of several units, for all of them as one
+    action (``stage``).
+
+    The passes run the stage's own modules (under the run's precision and checkpointing) and
+    the timed AdamW steps update the run's own AdamW state: nothing of the stage is copied on
+    the device. Meanwhile the parameters and the AdamW state wait in host memory, and go back
+    bit for bit afterwards (``_run_state_kept``).
     """
-    singles = [[copy.deepcopy(u)] for u in units]
-    groups = singles + ([[u for [u] in singles]] if len(units) > 1 else [])
+    units = stage.ordered_units
+    singles = [[u] for u in units]
+    groups = singles + ([list(units)] if len(units) > 1 else [])
     sizes = [micro_batch_size, 2 * micro_batch_size]
+    clock = Clock(device)
     out: dict = {"sizes": sizes, "units": {}, "stage": None}
-    for i, group in enumerate(groups):
-        opt = optimizer([(f"{u.index}.{n}", p) for u in group for n, p in u.named_parameters()])
-        times: dict[str, list[float]] = {kind: [] for kind in CALIBRATED}
-        for m in sizes:
-            # The first pass warms up (allocations, the optimizer's state) and is dropped.
-            runs = [_time_group(group, m, tokens, opt) for _ in range(repeats + 1)][1:]
-            for kind in CALIBRATED:
-                times[kind].append(statistics.median(run[kind] for run in runs))
-        if i < len(singles):
-            out["units"][group[0].index] = times
-        else:
-            out["stage"] = times
+    with _run_state_kept([p for u in units for p in u.parameters()], optimizer):
+        for i, group in enumerate(groups):
+            named = [(f"{u.index}.{n}", p) for u in group for n, p in u.named_parameters()]
+            opt = build_optimizer(named)
+            for _, param in named:
+                opt.state[param] = optimizer.state[param]  # the run's moments: no second copy
+            times: dict[str, list[float]] = {kind: [] for kind in CALIBRATED}
+            for m in sizes:
+                # The first pass warms up (allocations, caches) and is dropped.
+                runs = [_time_group(stage, group, m, tokens, opt, clock, device)
+                        for _ in range(repeats + 1)][1:]
+                for kind in CALIBRATED:
+                    times[kind].append(statistics.median(run[kind] for run in runs))
+            if i < len(singles):
+                out["units"][group[0].index] = times
+            else:
+                out["stage"] = times
     return out
 
 
-def _time_group(group: list[Unit], m: int, tokens, opt) -> dict[str, float]:
+@contextlib.contextmanager
+def _run_state_kept(params: list[torch.nn.Parameter],
+                    optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Let calibration run on the run's parameters and optimizer state: a copy of them waits in
+    host memory and is copied back afterwards, bit for bit; their gradients are set aside
+    meanwhile and put back (the same tensors); AdamW state that calibration created goes."""
+    grads = [p.grad for p in params]
+    states = {p: dict(optimizer.state[p]) for p in params if optimizer.state.get(p)}
+    live = [p.data for p in params] + [t for state in states.values() for t in state.values()
+                                       if isinstance(t, torch.Tensor)]
+    saved = [t.to("cpu", copy=True) for t in live]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, copy in zip(live, saved, strict=True):
+                t.copy_(copy)
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+            if p in states:
+                optimizer.state[p].clear()
+                optimizer.state[p].update(states[p])
+            else:
+                optimizer.state.pop(p, None)
+
+
+def _time_group(stage: StageModule, group: list[Unit], m: int, tokens, opt, clock: Clock,
+                device: torch.device) -> dict[str, float]:
     """One F, B, F, I, W and post-pipeline pass of ``group`` on ``m`` samples, timed."""
-    model = group[0].model
+    model = stage.model
     last = group[-1].index == model.num_units - 1
     gen = torch.Generator().manual_seed(group[0].index)  # never the global generator
     x0 = None
     if group[0].index > 0:
-        x0 = torch.randn(m, model.seq_len, model.d_model, generator=gen)
+        x0 = torch.randn(m, model.seq_len, model.d_model, generator=gen).to(device)
     weights = [p for u in group for p in u.parameters()]
-    out: dict[str, float] = {}
+    spans: dict[str, Span] = {}
 
     def forward():
-        ctx = UnitContext(seed=0, step=0, mb=0, device=torch.device("cpu"),
-                          load=lambda: tokens(m))
+        ctx = UnitContext(seed=0, step=0, mb=0, device=device, load=lambda: tokens(m))
         x = None if x0 is None else x0.clone().requires_grad_(True)
-        started = time.perf_counter()
+        started = clock.mark()
         h, losses = x, []
         for unit in group:
-            h, loss = unit(h, ctx)
+            h, loss = stage.run_unit(unit, h, ctx)
             if loss is not None:
                 losses.append(loss)
-        seconds = time.perf_counter() - started
+        span = (started, clock.mark())
         roots = list(losses) + ([] if last else [h])
         grads = [torch.ones_like(r) for r in roots]
-        return seconds, x, roots, grads
+        return span, x, roots, grads
 
-    out["forward"], x, roots, grads = forward()
-    started = time.perf_counter()
+    spans["forward"], x, roots, grads = forward()
+    started = clock.mark()
     torch.autograd.backward(roots, grads)
-    out["backward"] = time.perf_counter() - started
+    spans["backward"] = (started, clock.mark())
 
     _, x, roots, grads = forward()
-    started = time.perf_counter()
+    started = clock.mark()
     if x is None:  # as the runtime: a stage without input has no I; its W is the backward
-        out["input_grad"] = time.perf_counter() - started
-        started = time.perf_counter()
+        spans["input_grad"] = (started, clock.mark())
+        started = clock.mark()
         torch.autograd.backward(roots, grads, inputs=weights)
     else:
         _, groups = stage_backward_input(roots, grads, [x], iter(weights))
-        out["input_grad"] = time.perf_counter() - started
-        started = time.perf_counter()
+        spans["input_grad"] = (started, clock.mark())
+        started = clock.mark()
         stage_backward_weight(iter(weights), groups)
-    out["weight_grad"] = time.perf_counter() - started
+    spans["weight_grad"] = (started, clock.mark())
 
-    started = time.perf_counter()
+    started = clock.mark()
     norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in weights])
     coef = torch.clamp(1.0 / (torch.linalg.vector_norm(norms) + 1e-6), max=1.0)
     for p in weights:
         p.grad.mul_(coef)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    out["post"] = time.perf_counter() - started
-    return out
+    spans["post"] = (started, clock.mark())
+    return {kind: Clock.seconds(*span) for kind, span in spans.items()}
 
 
 def calibrate_trainer(trainer: Trainer, repeats: int = 5) -> list[dict]:
@@ -130,14 +175,14 @@ def calibrate_trainer(trainer: Trainer, repeats: int = 5) -> list[dict]:
 
     Each stage's entry also carries what ``time_messages`` measured on the rank.
     """
-    corpus = trainer.runtime.batches.corpus
+    corpus, device = trainer.runtime.batches.corpus, trainer.device
     trainer.world.barrier()  # every rank calibrates at the same time, sharing cores as in the run
     stages = [
         calibrate_stage(
-            module.ordered_units, trainer.layout.micro_batch_size,
-            lambda m: BatchSource(corpus, m).micro_batch(0, 0),
-            lambda named: build_adamw(named, trainer.spec.training),
-            repeats=repeats,
+            module, trainer.layout.micro_batch_size,
+            lambda m: BatchSource(corpus, m).micro_batch(0, 0).to(device),
+            trainer.optimizer, lambda named: build_adamw(named, trainer.spec.training),
+            device=device, repeats=repeats,
         )
         for module in trainer.stages.values()
     ]

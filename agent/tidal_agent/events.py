@@ -107,6 +107,7 @@ class Reconfigured:
     bytes_min: int
     buckets: int
     released_at_once: bool  # the leavers went at the boundary, their keepers sending
+    peak_gpu_bytes: int | None = None  # the leader's GPU during the switch (None: a CPU)
 
     def record(self) -> dict[str, Any]:
         return {"at_step": self.at_step, "generation": self.generation,
@@ -115,7 +116,7 @@ class Reconfigured:
                 "pause_s": self.pause_s, "world_s": self.world_s, "rebuild_s": self.rebuild_s,
                 "transfer_s": self.transfer_s, "bytes_moved": self.bytes_moved,
                 "bytes_min": self.bytes_min, "buckets": self.buckets,
-                "released_at_once": self.released_at_once}
+                "released_at_once": self.released_at_once, "peak_gpu_bytes": self.peak_gpu_bytes}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -212,6 +213,8 @@ class Finished:
     worker: str
     digests: dict[int, tuple[str, str]]  # global index -> (name, sha256)
     peak_rss_bytes: int = 0  # the process's peak resident memory
+    peak_gpu_bytes: int | None = None  # its GPU's peak allocated memory (None: a CPU)
+    snapshot_bytes: dict[str, int] | None = None  # peer snapshots' peak host memory (None: off)
 
 
 def peak_rss_bytes() -> int:
@@ -226,6 +229,8 @@ class Left:
     worker: str
     step: int | None
     peak_rss_bytes: int = 0
+    peak_gpu_bytes: int | None = None  # as Finished's
+    snapshot_bytes: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tidal_agent.measure import Clock, Mark, Span
 from tidal_agent.seeding import derive_seed
 from tidal_api.spec import ModelSpec
 
@@ -210,27 +211,41 @@ def _initialise(module: Unit, model: ModelSpec, seed: int) -> None:
 
 
 class LayerClock:
-    """Wall seconds of a stage's decoder-layer forwards: the same computation on every rank, so
+    """Seconds of a stage's decoder-layer forwards: the same computation on every rank, so
     the seconds per layer compare ranks whatever the partition (tidal_plan.stragglers).
 
+    A forward is a span between two marks of ``clock`` (tidal_agent.measure: the device's
+    time, CUDA events on a GPU), read by ``take`` after the step rather than when marked.
     ``slowdown`` is a test's deterministic straggler: each layer forward then lasts that many
-    times as long (it sleeps for the rest). Real slowdowns come from contention (bench/straggler.py).
-    On a GPU the times are the launches' unless the stream is synchronised: a CPU-side measure.
+    times as long (the host sleeps for the rest, the device idle behind it; it reads the
+    forward's time at once). Real slowdowns come from contention (bench/straggler.py).
     """
 
-    __slots__ = ("seconds", "slowdown", "on")
+    __slots__ = ("clock", "spans", "slowdown", "on")
 
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock or Clock(torch.device("cpu"))
+        self.spans: list[Span] = []
         self.slowdown = 1.0
         self.on = True  # off: nobody reads the times (the straggler watch is off), keep none
 
-    def add(self, seconds: float) -> None:
+    @property
+    def running(self) -> bool:
+        return self.on or self.slowdown > 1
+
+    def timed(self, started: Mark) -> None:
+        """A decoder-layer forward begun at ``started`` was issued."""
+        ended = self.clock.mark()
         if self.slowdown > 1:
-            time.sleep(seconds * (self.slowdown - 1))
-            seconds *= self.slowdown
+            time.sleep(self.clock.seconds(started, ended) * (self.slowdown - 1))
+            ended = self.clock.mark()
         if self.on:
-            self.seconds.append(seconds)
+            self.spans.append((started, ended))
+
+    def take(self) -> list[float]:
+        """The seconds of the forwards timed since the last call; the clock starts again."""
+        spans, self.spans = self.spans, []
+        return [self.clock.seconds(*span) for span in spans]
 
 
 class StageModule(nn.Module):
@@ -245,6 +260,7 @@ class StageModule(nn.Module):
     def __init__(
         self, model: ModelSpec, units: range, seed: int, *, initialise: bool = True,
         precision: str = "fp32", checkpointing: bool = False,
+        empty_on: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         self.model, self.units = model, units
@@ -265,18 +281,18 @@ class StageModule(nn.Module):
         if mtp:
             self.mtp = nn.ModuleDict(mtp)
         self._ordered = [built[u] for u in units]
-        if not initialise:
-            self.to_empty(device="cpu")
+        if not initialise:  # "meta": no memory, for a caller that gives the tensors
+            self.to_empty(device=empty_on)
         self.layer_clock = LayerClock()
 
     def forward(self, h: torch.Tensor | None, ctx: UnitContext):
         losses: list[torch.Tensor] = []
         clock, layers = self.layer_clock, self.model.layers
         for unit in self._ordered:
-            if 1 <= unit.index <= layers:
-                started = time.perf_counter()
+            if 1 <= unit.index <= layers and clock.running:
+                started = clock.clock.mark()
                 h, loss = self.run_unit(unit, h, ctx)
-                clock.add(time.perf_counter() - started)
+                clock.timed(started)
             else:
                 h, loss = self.run_unit(unit, h, ctx)
             if loss is not None:

@@ -202,6 +202,10 @@ def run_elastic(
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
         "peak_rss_bytes": dict(sorted(collected.peak_rss.items())),
+        # per worker: its GPU's peak allocated bytes (null on a CPU), and its peer snapshots'
+        # peak host memory, {pinned, pageable} (null without snapshots)
+        "peak_gpu_bytes": dict(sorted(collected.peak_gpu.items())),
+        "snapshot_bytes": dict(sorted(collected.snapshot_bytes.items())),
         "profile": collected.profile,  # the first generation's
         # per profile (each generation's first steps): path, layout, steps [first, last)
         "profiles": collected.profiles,
@@ -261,6 +265,8 @@ class _Collected(Listener):
         self.peak_rss: dict[str, int] = {}  # per worker that said, its peak resident bytes
         # per worker ready: where it trains (device, backend, transport, determinism)
         self.setup: dict[str, dict[str, Any]] = {}
+        self.peak_gpu: dict[str, int | None] = {}
+        self.snapshot_bytes: dict[str, dict[str, int] | None] = {}
 
     def on_failed(self, event: Failed) -> None:
         lost = _lost_worker(self.procs, self.finished, besides=event.worker)
@@ -299,12 +305,16 @@ class _Collected(Listener):
 
     def on_finished(self, event: Finished) -> None:
         self.digests.update(event.digests)
-        self.finished.add(event.worker)
-        self.peak_rss[event.worker] = event.peak_rss_bytes
+        self._gone(event)
 
     def on_left(self, event: Left) -> None:
+        self._gone(event)
+
+    def _gone(self, event: Finished | Left) -> None:
         self.finished.add(event.worker)
         self.peak_rss[event.worker] = event.peak_rss_bytes
+        self.peak_gpu[event.worker] = event.peak_gpu_bytes
+        self.snapshot_bytes[event.worker] = event.snapshot_bytes
 
     def on_ready(self, event: Ready) -> None:
         self.setup[event.worker] = event.record()

@@ -18,7 +18,6 @@ posting order, and the plan orders both ends of every pair alike.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -106,17 +105,17 @@ class PipelineRuntime:
         self._step, self._state = step, _StepState()
         profiler = self.profiler
         for item in plan:
-            started = time.perf_counter() if profiler is not None else 0.0
+            started = profiler.mark() if profiler is not None else None
             if isinstance(item, Action):
                 self._handlers[item.kind](item)
                 if profiler is not None:
-                    profiler.action_done(item, time.perf_counter() - started)
+                    profiler.action_done(item, started, profiler.mark())
                 continue
             self._post(item)
             if profiler is not None:  # the group's posting, shared among its actions
-                seconds = (time.perf_counter() - started) / len(item)
+                ended = profiler.mark()
                 for action in item:
-                    profiler.action_done(action, seconds)
+                    profiler.action_done(action, started, ended, share=1 / len(item))
         for posted, _ in self._state.sends:
             posted.wait()
         values = {
@@ -144,7 +143,7 @@ class PipelineRuntime:
             x = self._take_received(Kind.RECV_F, s, m, st.inputs)
             x.requires_grad_(True)
             st.inputs[(s, m)] = x
-        if self.profiler is not None and self.profiler.hooks:
+        if self._hooked() is not None:
             out, losses = self.profiler.forward(s, m, self.stages[s], x, self._context(m))
         else:
             out, losses = self.stages[s](x, self._context(m))
@@ -168,21 +167,26 @@ class PipelineRuntime:
             st.roots[(s, m)] = (roots, grads)
         return st.roots[(s, m)]
 
+    def _hooked(self) -> UnitProfiler | None:
+        """The profiler while its unit hooks are on (the first profiled step), else None."""
+        return self.profiler if self.profiler is not None and self.profiler.hooks else None
+
     def _backward_full(self, action: Action) -> None:
         s, m = action.stage, action.mb
-        if self.profiler is not None and self.profiler.hooks and (s, m) in self._state.inputs:
+        hooked = self._hooked()
+        if hooked is not None and (s, m) in self._state.inputs:
             # Profiling measures I and W apart; the split computes the same bits as B.
             self._backward_input(Action(s, Kind.I, m))
             self._backward_weight(Action(s, Kind.W, m))
             return
         roots, grads = self._roots(s, m)
         x = self._state.inputs.get((s, m))
-        started = time.perf_counter()
+        started = hooked.mark() if hooked is not None else None
         # The engine accumulates parameter gradients into .grad (mb order = call order) and
         # leaves the input gradient in x.grad.
         torch.autograd.backward(roots, grads)
-        if self.profiler is not None and self.profiler.hooks:  # the first stage: I and W together
-            self.profiler.input_grad_done(s, m, started, time.perf_counter())
+        if hooked is not None:  # the first stage: I and W together
+            hooked.input_grad_done(s, m, started, hooked.mark())
         if x is not None:
             self._input_grad_done(s, m, x.grad)
         self._release(s, m)
@@ -193,28 +197,30 @@ class PipelineRuntime:
         if x is None:  # the first stage has no input gradient; W does all its work
             return
         roots, grads = self._roots(s, m)
-        started = time.perf_counter()
+        hooked = self._hooked()
+        started = hooked.mark() if hooked is not None else None
         # torch's split backward: the input gradient now, with the gradients reaching the
         # weight-consuming nodes kept so W need not run the backward again.
         (gx,), groups = stage_backward_input(roots, grads, [x], iter(self._params(s)))
-        if self.profiler is not None and self.profiler.hooks:
-            self.profiler.input_grad_done(s, m, started, time.perf_counter())
+        if hooked is not None:
+            hooked.input_grad_done(s, m, started, hooked.mark())
         self._state.weight_groups[(s, m)] = groups
         self._input_grad_done(s, m, gx)
 
     def _backward_weight(self, action: Action) -> None:
         s, m = action.stage, action.mb
         groups = self._state.weight_groups.pop((s, m), None)
-        started = time.perf_counter()
+        hooked = self._hooked()
+        started = hooked.mark() if hooked is not None else None
         if groups is None:
             roots, grads = self._roots(s, m)
             torch.autograd.backward(roots, grads, inputs=self._params(s))
-            if self.profiler is not None and self.profiler.hooks:  # the first stage: I and W
-                self.profiler.input_grad_done(s, m, started, time.perf_counter())
+            if hooked is not None:  # the first stage: I and W
+                hooked.input_grad_done(s, m, started, hooked.mark())
         else:
             stage_backward_weight(iter(self._params(s)), groups)
-            if self.profiler is not None and self.profiler.hooks:
-                self.profiler.weight_grad_done(s, time.perf_counter() - started)
+            if hooked is not None:
+                hooked.weight_grad_done(s, started, hooked.mark())
         self._release(s, m)
 
     def _input_grad_done(self, s: int, m: int, gx: torch.Tensor) -> None:
@@ -263,10 +269,12 @@ class PipelineRuntime:
         posted = self._state.pending.pop((kind, s, m), None)
         if posted is not None:
             exchange, buf = posted
-            started = time.perf_counter()
-            exchange.wait()
-            if self.profiler is not None:
-                self.profiler.waited(time.perf_counter() - started)
+            if self.profiler is None:
+                exchange.wait()
+            else:  # on a GPU: how long the device's work stood waiting for the data
+                started = self.profiler.mark()
+                exchange.wait()
+                self.profiler.waited(started, self.profiler.mark())
             return buf
         try:
             return local.pop((s, m))

@@ -4,10 +4,11 @@ newest complete snapshot.
 At a snapshot boundary each member of a world copies its training state (everything
 ``Trainer.state_tensors`` holds: parameters, AdamW moments and step; data, learning rate and
 dropout are functions of the step) into one flat buffer in host memory (pinned where the state
-is on a GPU), and sends that copy to the next member of the world, its *keeper*
-(``members[(rank + 1) % size]``, the rule of tidal_plan.keepers), while it receives the copy of
-the member before it, its *ward*. So every member's state at that boundary lives on two
-workers, and losing one worker (or several, none next to another in the ring) loses none of it.
+is on a GPU, for the copy out of it), and sends that copy to the next member of the world, its
+*keeper* (``members[(rank + 1) % size]``, the rule of tidal_plan.keepers), while it receives
+the copy of the member before it, its *ward*. So every member's state at that boundary lives
+on two workers, and losing one worker (or several, none next to another in the ring) loses
+none of it.
 
 Only the copy holds training up: the swap runs in the background over a CPU group of its own
 (``World.cpu``, so the pipeline's messages never queue behind it) while the next steps train,
@@ -29,7 +30,12 @@ the state of that step in their new layout with an ordinary reshard plan from th
 placement, in which a keeper sends for its lost ward (``senders``).
 
 The price: four times the state's memory per worker, in host memory (two own copies, two of
-the ward's), and one state-sized transfer per worker per snapshot.
+the ward's), and one state-sized transfer per worker per snapshot. Only the own copies, which
+the GPU copies into, are pinned; the ward's arrive over the CPU group into pageable memory. A
+new copy takes the buffer of the oldest it replaces where that is large enough (a switch to a
+layout with less state per worker allocates nothing), so the host memory held
+(``host_bytes``, its peak ``peak_bytes``, in the run's report) stays within four copies of the
+largest state the worker held, whatever the generations.
 """
 
 from __future__ import annotations
@@ -89,16 +95,21 @@ class Cut:
 
 @dataclass(slots=True)
 class _Copy:
-    """A flat copy of one worker's state at one boundary; ``index``: name -> (offset, numel)."""
+    """A flat copy of one worker's state at one boundary, at the front of ``buffer`` (which may
+    be larger: a reused one); ``index``: name -> (offset, numel)."""
 
     cut: Cut  # senders empty: where the copy was taken
     owner: str
-    flat: torch.Tensor
+    buffer: torch.Tensor
     index: dict[str, tuple[int, int]]
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.buffer[:sum(n for _, n in self.index.values())]
 
     def views(self) -> dict[str, torch.Tensor]:
         """The state by name, as 1-D views of the flat buffer."""
-        return {name: self.flat[o:o + n] for name, (o, n) in self.index.items()}
+        return {name: self.buffer[o:o + n] for name, (o, n) in self.index.items()}
 
     def summary(self) -> dict[str, Any]:
         return {**self.cut.to_json(), "of": self.owner}
@@ -213,6 +224,7 @@ class PeerSnapshots:
         self.seconds = 0.0  # the newest snapshot's hold on training (copy, and the settle)
         self.swap_s = 0.0  # the newest settled swap's, in the background
         self._swap: _Swap | None = None
+        self.peak_bytes = {"pinned": 0, "pageable": 0}  # the most host_bytes held so far
         self._newest: tuple[tuple[int, str], int] | None = None  # (world_key, step)
         self._indexes: dict[tuple[Layout, tuple[str, ...], str], dict[str, tuple[int, int]]] = {}
 
@@ -241,9 +253,9 @@ class PeerSnapshots:
         if set(index) != set(state):
             raise ValueError(f"{me} holds {sorted(set(state) ^ set(index))[:3]}... unlike its "
                              f"position in {layout.describe()}")
-        own = self._slot(self.own, cut, me, index)
+        own = self._slot(self.own, cut, me, index, pinned=self.device.type == "cuda")
         for name, (offset, numel) in index.items():
-            own.flat[offset:offset + numel].copy_(state[name].reshape(-1), non_blocking=True)
+            own.buffer[offset:offset + numel].copy_(state[name].reshape(-1), non_blocking=True)
         copied = None
         if self.device.type == "cuda":
             copied = torch.cuda.Event()
@@ -252,10 +264,12 @@ class PeerSnapshots:
         if world.size > 1:
             ward_name = world.members[(world.rank - 1) % world.size]
             ward = self._slot(self.ward, cut, ward_name,
-                              self._index(layout, world.members, ward_name))
+                              self._index(layout, world.members, ward_name), pinned=False)
             self._swap = _Swap(world, own, ward, copied)
         elif copied is not None:
             copied.synchronize()
+        for kind, held in self.host_bytes().items():
+            self.peak_bytes[kind] = max(self.peak_bytes[kind], held)
         self._newest = (world_key(world), step)
         self.seconds = time.perf_counter() - started
         self.cadence.taken(world, step, self.seconds)
@@ -286,17 +300,27 @@ class PeerSnapshots:
         return self._indexes[key]
 
     def _slot(self, copies: list[_Copy], cut: Cut, owner: str,
-              index: dict[str, tuple[int, int]]) -> _Copy:
-        """A buffer for a new copy: the oldest one's if it is the right size (it stops being a
-        copy from now on), else a fresh one; the list keeps at most ``KEEP - 1`` others."""
+              index: dict[str, tuple[int, int]], *, pinned: bool) -> _Copy:
+        """A buffer for a new copy: the front of the oldest one's if that is large enough (it
+        stops being a copy from now on), else a fresh one (``pinned`` or pageable, the oldest
+        freed); the list keeps at most ``KEEP - 1`` others."""
         numel = sum(n for _, n in index.values())
         old = copies.pop(0) if len(copies) >= KEEP else None
-        if old is not None and old.flat.numel() == numel:
-            flat = old.flat
+        if old is not None and old.buffer.numel() >= numel:
+            buffer = old.buffer
         else:
-            flat = torch.empty(numel, dtype=torch.float32,
-                               pin_memory=self.device.type == "cuda")
-        return _Copy(cut=cut, owner=owner, flat=flat, index=index)
+            buffer = torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+        return _Copy(cut=cut, owner=owner, buffer=buffer, index=index)
+
+    def host_bytes(self) -> dict[str, int]:
+        """The host memory the copies held now take (a swap's ward under way too), pinned and
+        pageable."""
+        copies = self.own + self.ward + ([self._swap.ward] if self._swap is not None else [])
+        buffers = {id(c.buffer): c.buffer for c in copies}.values()
+        held = {"pinned": 0, "pageable": 0}
+        for buffer in buffers:
+            held["pinned" if buffer.is_pinned() else "pageable"] += buffer.nbytes
+        return held
 
     def summary(self) -> dict[str, Any]:
         """What this worker holds, for the leader's :func:`choose_cut` (JSON)."""

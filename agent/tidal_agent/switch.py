@@ -2,7 +2,8 @@
 
 ``state_metadata`` describes every state tensor of the model for the pure planner
 (tidal_plan.reshard); ``carry_over`` hands what a worker keeps to its new trainer without a
-copy; ``execute_reshard`` runs the plan's buckets over the transition world, each bucket one
+copy, and moves what leaves to host memory so that the device never holds both states;
+``execute_reshard`` runs the plan's buckets over the transition world, each bucket one
 exchange (one group of sends and receives, tidal_agent.transport).
 Parameters, AdamW moments and AdamW's step move; gradients never do (a switch happens at a step
 boundary, where there are none); data position, learning rate and dropout are functions of the
@@ -12,7 +13,7 @@ step and need no state.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -119,10 +120,20 @@ def incoming(plan: ReshardPlan, me: str) -> set[str]:
     return {t.tensor for t in plan.transfers if t.dst == me}
 
 
-def carry_over(plan: ReshardPlan, me: str, old: Trainer, new: Trainer) -> int:
-    """Hand the state this worker keeps to its new trainer, without copying; return bytes."""
+def carry_over(plan: ReshardPlan, me: str, old: Trainer,
+               holds: Collection[str]) -> dict[str, torch.Tensor]:
+    """The state this worker keeps across the switch, for its new trainer, which holds the
+    state tensors ``holds``: ``old``'s own tensors, to be taken as they are (``Trainer(kept=)``),
+    never copied nor allocated again.
+
+    The rest of ``old``'s state leaves; it moves to host memory now (``Trainer.offload``, a
+    no-op on a CPU), freeing the device before the new trainer allocates what arrives, and the
+    reshard sends it from there. So the device holds no more than the new state, plus the
+    reshard's bucket in flight, where the old and the new state side by side would need up to
+    twice the training state.
+    """
     arriving = incoming(plan, me)
     old_state = old.state_tensors()
-    kept = {name: old_state[name] for name in new.state_tensors() if name not in arriving}
-    new.adopt(kept)
-    return sum(t.numel() * t.element_size() for t in kept.values())
+    kept = {name: t for name, t in old_state.items() if name in holds and name not in arriving}
+    old.offload(name for name in old_state if name not in kept)
+    return kept

@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tidal_agent.data import BatchSource, PackedShards, SyntheticCorpus, TokenFile
+from tidal_agent.measure import Clock
 from tidal_agent.model import StageModule, global_parameter_names
 from tidal_agent.optim import (
     ClipMode,
@@ -129,11 +131,15 @@ class Trainer:
         device: torch.device,
         clip_mode: ClipMode = ClipMode.GLOBAL_ORDER,
         initialise: bool = True,
+        kept: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """This world rank's share of ``layout``: world rank = replica * pp + pipeline rank.
 
-        With ``initialise=False`` parameters are left uninitialised, for a trainer whose state
-        is about to arrive from elsewhere (a checkpoint or a live reshard).
+        With ``initialise=False`` the state (parameters, AdamW moments and step) is left
+        uninitialised, for a trainer whose state is about to arrive from elsewhere (a
+        checkpoint or a live reshard): it is allocated on ``device``, except the tensors of
+        ``kept`` (a live switch's, named as in ``state_tensors``: what the old trainer holds
+        and this one keeps), which it takes as they are and never allocates again.
         """
         if world.size != layout.world_size:
             raise ValueError(
@@ -149,14 +155,20 @@ class Trainer:
                 f"layout covers {layout.num_units} units; the model has {model.num_units}"
             )
         seed = spec.training.seed
-        self.stages = {
-            s: StageModule(
+        kept = kept or {}
+        self.stages = {}
+        for s in layout.rank_stages(pp_rank):
+            stage = StageModule(
                 model, layout.stage_units(s), seed, initialise=initialise,
                 precision=spec.training.precision,
-                checkpointing=layout.activation_checkpointing,
-            ).to(device)
-            for s in layout.rank_stages(pp_rank)
-        }
+                checkpointing=layout.activation_checkpointing, empty_on="meta",
+            )
+            if initialise:
+                stage.to(device)
+            else:
+                _materialise(stage, device, kept)
+            stage.layer_clock.clock = Clock(device)
+            self.stages[s] = stage
         index = {name: i for i, name in enumerate(global_parameter_names(model))}
         self.num_params = len(index)
         named = [(n, p) for st in self.stages.values() for n, p in st.named_parameters()]
@@ -164,12 +176,15 @@ class Trainer:
         self.named_params = named
         self.optimizer = build_adamw(named, spec.training)
         if not initialise:  # state arrives from elsewhere: allocate it now, do not fill it
-            for _, param in named:
-                self.optimizer.state[param].update(
-                    step=torch.empty((), dtype=torch.float32),
-                    exp_avg=torch.empty_like(param),
-                    exp_avg_sq=torch.empty_like(param),
-                )
+            for name, param in named:
+                state = self.optimizer.state[param]
+                for key in STATE_KEYS:
+                    if f"{name}/{key}" in kept:
+                        state[key] = kept[f"{name}/{key}"]
+                    elif key == "step":
+                        state[key] = torch.empty((), dtype=torch.float32)
+                    else:
+                        state[key] = torch.empty_like(param)
         self.plan = exchange_plans(layout.replica_pipeline(self.replica))[pp_rank]
         mbs, t = spec.training.micro_batch_size, model.seq_len
         self.runtime = PipelineRuntime(
@@ -223,9 +238,10 @@ class Trainer:
         lr = lr_at(step, self.spec.training)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        started = time.perf_counter()
+        profiler = self.runtime.profiler
+        started = profiler.mark() if profiler is not None else None
         loss_values = self.runtime.run_step(step, self.plan)
-        pipelined = time.perf_counter()
+        pipelined = profiler.mark() if profiler is not None else None
         if self._logical is not None and not self._subtrees:
             self._logical.finish()
         if self.dp_world is not None:
@@ -243,15 +259,14 @@ class Trainer:
             world=self.world, contributes=self.replica == 0, mode=self.clip_mode,
             uncounted=self._uncounted,
         )
-        optimizing = time.perf_counter()
+        optimizing = profiler.mark() if profiler is not None else None
         self.optimizer.step()
-        profiler = self.runtime.profiler
         if profiler is not None:
-            profiler.optimizer_s.append(time.perf_counter() - optimizing)
+            profiler.optimizer_done(optimizing, profiler.mark())
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._step_loss(loss_values)
         if profiler is not None:
-            profiler.step_done(pipelined - started, time.perf_counter() - pipelined)
+            profiler.step_done(started, pipelined, profiler.mark())
         return StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr)
 
     def _step_loss(self, loss_values: dict[tuple[int, int], list[float]]) -> float:
@@ -271,14 +286,13 @@ class Trainer:
         return total / m_count
 
     def layer_seconds(self) -> float | None:
-        """The median wall seconds of this rank's decoder-layer forwards since the last call
-        (None: it ran none), for straggler detection; the clocks start again. The median, as
-        a forward now and then pays for something else (a layer right after a wait runs on
-        cold caches)."""
+        """The median seconds of this rank's decoder-layer forwards since the last call (None:
+        it ran none), for straggler detection; the clocks start again. The median, as a forward
+        now and then pays for something else (a layer right after a wait runs on cold caches).
+        On a GPU it waits for the layers timed: call it after the step's synchronisation."""
         seconds = []
         for stage in self.stages.values():
-            seconds += stage.layer_clock.seconds
-            stage.layer_clock.seconds = []
+            seconds += stage.layer_clock.take()
         return statistics.median(seconds) if seconds else None
 
     def slow_down(self, factor: float) -> None:
@@ -338,18 +352,19 @@ class Trainer:
         self.world.barrier()
         return result
 
-    def adopt(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take over existing state tensors (named as in ``state_tensors``) without copying.
-
-        A worker that keeps a unit across a switch hands its old tensors to the new trainer.
-        """
+    def offload(self, names: Iterable[str]) -> None:
+        """Move the state tensors ``names`` (named as in ``state_tensors``) to host memory,
+        freeing their device memory: an old trainer's state that leaves in a live switch waits
+        there to be sent (a no-op on a CPU)."""
         params = dict(self.named_params)
-        for key, tensor in tensors.items():
+        for key in names:
             name, _, entry = key.partition("/")
             if entry:
-                self.optimizer.state[params[name]][entry] = tensor
+                state = self.optimizer.state[params[name]]
+                state[entry] = state[entry].cpu()
             else:
-                params[name].data = tensor
+                params[name].data = params[name].data.cpu()
+        self._reduce = None  # its gradient buffer: no step follows
 
     def parameter_digests(self) -> dict[int, tuple[str, str]]:
         """sha256 of each local parameter's bytes, keyed by global index."""
@@ -358,6 +373,20 @@ class Trainer:
             data = p.detach().cpu().contiguous().numpy().view(np.uint8)
             out[index] = (name, hashlib.sha256(data.tobytes()).hexdigest())
         return out
+
+
+def _materialise(module: torch.nn.Module, device: torch.device,
+                 kept: Mapping[str, torch.Tensor]) -> None:
+    """Give ``module``'s parameters and buffers (on the meta device) memory on ``device``: a
+    parameter the tensor ``kept`` holds under its name, as it is; the others uninitialised."""
+    for name, param in list(module.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        data = kept[name] if name in kept else torch.empty_like(param, device=device)
+        module.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(
+            data, requires_grad=param.requires_grad)
+    for name, buffer in list(module.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=device)
 
 
 def params_sha256(digests: dict[int, tuple[str, str]], num_params: int) -> str:

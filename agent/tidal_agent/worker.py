@@ -65,11 +65,12 @@ from tidal_agent.devices import WorkerDevice, prepare_worker
 from tidal_agent.events import (Checkpointed, EventSink, Failed, Finished, Halted, Left,
                                 Profiled, Ready, Reconfigured, Recovered, Released, Stepped,
                                 peak_rss_bytes)
+from tidal_agent.measure import Clock, MemoryPeaks
 from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile
 from tidal_agent.protocol import GenerationSource, Halt, LeaderLost, Recovery, StaticGenerations
 from tidal_agent.recovery import rebuild, save_cut
-from tidal_agent.snapshot import Cut, PeerSnapshots
+from tidal_agent.snapshot import Cut, PeerSnapshots, state_index
 from tidal_agent.stragglers import StragglerWatch
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer, prepare_subgroups
@@ -168,6 +169,7 @@ class _Worker:
         self.me, self.spec, self.opts, self.events = me, spec, opts, events
         self.source = source
         self.where, self.device = device, device.device
+        self.peaks = MemoryPeaks(self.device)  # GPU memory: the run's, the switch's, the profile's
         self.metas = state_metadata(spec.model)
         self.snapshots = (PeerSnapshots(self.metas, self.device, every=opts.snapshot_every)
                           if opts.peer_snapshots else None)
@@ -186,14 +188,21 @@ class _Worker:
     def leader(self) -> bool:
         return self.me == self.source.leader
 
+    def _memory(self) -> dict:
+        """What this worker's memory peaked at so far: its process's, its GPU's (None on a CPU)
+        and its peer snapshots' host memory (None without them), for its last event."""
+        return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": self.peaks.run(),
+                "snapshot_bytes": self.snapshots.peak_bytes if self.snapshots else None}
+
     @property
     def _stopping(self) -> bool:
         return self.opts.stop is not None and self.opts.stop.is_set()
 
-    def _trainer(self, gen: Generation, world: World, *, initialise: bool) -> Trainer:
+    def _trainer(self, gen: Generation, world: World, *, initialise: bool,
+                 kept: dict[str, torch.Tensor] | None = None) -> Trainer:
         trainer = Trainer(spec=self.spec, layout=self.source.layout(gen), world=world,
                           device=self.device, clip_mode=self.opts.clip_mode,
-                          initialise=initialise)
+                          initialise=initialise, kept=kept)
         if self.opts.checkpoint_root:
             # Checkpoints need the default process group. Joined here, with the world, where
             # every member is; joined at the generation's first save instead, a member lost
@@ -205,7 +214,7 @@ class _Worker:
     def run(self) -> None:
         started = self.source.start(self.me)
         if started is None:  # let go from standby before any generation needed it
-            self.events.put(Left(worker=self.me, step=None, peak_rss_bytes=peak_rss_bytes()))
+            self.events.put(Left(worker=self.me, step=None, **self._memory()))
             return
         enter: Callable[[], tuple[Trainer, World, int]] = partial(self._enter, *started)
         while True:
@@ -225,7 +234,7 @@ class _Worker:
                     raise
             if recovery is None:  # released while the others recovered
                 self.events.put(Left(worker=self.me, step=self._step,
-                                     peak_rss_bytes=peak_rss_bytes()))
+                                     **self._memory()))
                 return
             enter = partial(self._resume, recovery, failed)
 
@@ -288,7 +297,7 @@ class _Worker:
                 if self.snapshots is not None:
                     self.snapshots.settle()  # its newest copy whole at its keeper
                 source.depart(self.me, step)
-                self.events.put(Left(worker=self.me, step=step, peak_rss_bytes=peak_rss_bytes()))
+                self.events.put(Left(worker=self.me, step=step, **self._memory()))
                 return
             if following is not None and step == following.at_step:
                 trainer, world = self._switch(gen, following, trainer, world, builder, plan)
@@ -303,7 +312,7 @@ class _Worker:
             self._train_step(trainer, step, watch)
             step += 1
         self.events.put(Finished(worker=self.me, digests=trainer.parameter_digests(),
-                                 peak_rss_bytes=peak_rss_bytes()))
+                                 **self._memory()))
 
     def _profile_from(self, start: int) -> None:
         """A generation trains from ``start``: profile its first steps (after the switch's cold
@@ -337,7 +346,7 @@ class _Worker:
             release_s=None if ended is None else time.perf_counter() - ended,
             snapshot_s=self._held_s or 0.0,
         ))
-        self.events.put(Left(worker=self.me, step=step, peak_rss_bytes=peak_rss_bytes()))
+        self.events.put(Left(worker=self.me, step=step, **self._memory()))
 
     def _halt(self, trainer: Trainer, step: int) -> None:
         """Save the boundary the job halts at (every member calls it) and tell the launcher
@@ -415,7 +424,8 @@ class _Worker:
         first, last = self._window
         profiling = first <= step < last
         if profiling and trainer.runtime.profiler is None:
-            trainer.runtime.profiler = UnitProfiler()
+            trainer.runtime.profiler = UnitProfiler(Clock(self.device))
+            self.peaks.start()
         if profiling:  # unit hooks in the first profiled step; the others run plain, timed
             trainer.runtime.profiler.hooks = step == first
         for member, begin, end, factor in self.opts.slowdown:
@@ -460,6 +470,7 @@ class _Worker:
         p2p = trainer.profile_p2p()
         part = {"rank": trainer.world.rank, "pp_rank": trainer.pp_rank,
                 "units": profiler.units(), "p2p": p2p,
+                "peak_gpu_bytes": self.peaks.window(),  # the profiled steps': before calibrating
                 "optimizer_s": statistics.median(profiler.optimizer_s),
                 "actions_s": profiler.actions(),
                 "steps": profiler.step_parts,
@@ -516,6 +527,7 @@ class _Worker:
                 builder: WorldBuilder | None, plan: ReshardPlan,
                 ) -> tuple[Trainer | None, World | None]:
         paused = time.perf_counter()
+        self.peaks.start()
         growing = len(new.members) > len(old.members)
         cut = None if growing else self._kept_cut(old, new, world)
         if cut is not None:
@@ -529,10 +541,13 @@ class _Worker:
         world_s = time.perf_counter() - paused
         transition = world if cut is None and not growing else new_world
         rebuilt = time.perf_counter()
-        new_trainer = self._trainer(new, new_world, initialise=False) if new_world else None
+        new_trainer = None
+        if new_world is not None:  # what leaves goes to host memory before what arrives is made
+            holds = state_index(self.metas, Placement(layout=self.source.layout(new),
+                                                      workers=new.members), self.me)
+            kept = carry_over(plan, self.me, trainer, holds)
+            new_trainer = self._trainer(new, new_world, initialise=False, kept=kept)
         rebuild_s = time.perf_counter() - rebuilt
-        if new_trainer is not None:
-            carry_over(plan, self.me, trainer, new_trainer)
         stats = self._reshard(plan, transition, trainer, new_trainer, cut)
         if new_world is not world:
             world.close()  # its communicators now, not whenever the collector gets to them
@@ -544,7 +559,7 @@ class _Worker:
                 pause_s=time.perf_counter() - (self._last_step_end or paused),
                 world_s=world_s, rebuild_s=rebuild_s, transfer_s=stats.seconds,
                 bytes_moved=plan.bytes_moved, bytes_min=plan.bytes_min, buckets=stats.buckets,
-                released_at_once=cut is not None,
+                released_at_once=cut is not None, peak_gpu_bytes=self.peaks.window(),
             ))
         return new_trainer, new_world
 

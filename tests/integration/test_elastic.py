@@ -9,7 +9,7 @@ from tests.commands import TINY, tidal_here
 pytestmark = pytest.mark.slow
 
 RECONFIG_KEYS = {"at_step", "from", "to", "pause_s", "world_s", "transfer_s", "rebuild_s",
-                 "bytes_moved", "bytes_min", "released_at_once"}
+                 "bytes_moved", "bytes_min", "released_at_once", "peak_gpu_bytes"}
 
 
 def _report(tmp_path, name, *args):
@@ -33,6 +33,9 @@ def test_schedule_up_and_down_is_bitwise_static(tmp_path):
         assert RECONFIG_KEYS <= change.keys()
         assert change["bytes_moved"] == change["bytes_min"] > 0
         assert 0 < change["pause_s"] < 30
+        assert change["peak_gpu_bytes"] is None  # a CPU has no GPU memory to report
+    assert set(elastic["peak_gpu_bytes"]) == {f"worker-{i}" for i in range(4)}
+    assert all(peak is None for peak in elastic["peak_gpu_bytes"].values())
     assert "switch at step 12: 4 -> 2 workers" in log
 
 
@@ -100,3 +103,10 @@ def test_with_peer_snapshots_leavers_go_at_once_where_their_keepers_stay(tmp_pat
         ([3, 2], True), ([2, 4], False), ([4, 2], False)]
     assert [s["loss_hex"] for s in elastic["steps"]] == [s["loss_hex"] for s in static["steps"]]
     assert elastic["params_sha256"] == static["params_sha256"]
+    # Each worker's snapshots in host memory: at most four copies of the largest state it held
+    # (at 2 workers, about half the model's), none pinned off a GPU.
+    from tidal_agent.switch import state_metadata
+
+    state = sum(m.numel * m.itemsize for m in state_metadata(job.spec.model))
+    for worker, held in elastic["snapshot_bytes"].items():
+        assert held["pinned"] == 0 and 0 < held["pageable"] <= 4 * 0.6 * state, worker

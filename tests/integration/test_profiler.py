@@ -33,6 +33,7 @@ def test_profile_covers_every_unit_and_keeps_the_bits(tmp_path):
     assert data["p2p"]["bytes"] == 2 * 64 * 64 * 4 and data["p2p"]["seconds"] > 0
     assert set(data["ranks"]) == {"0", "1", "2"}
     assert all(r["relative_speed"] > 0 for r in data["ranks"].values())
+    assert all(r["peak_gpu_bytes"] is None for r in data["ranks"].values())  # CPU: none
     # What predicts other layouts: calibrated units, action overheads, the plain steps.
     calibration = data["calibration"]
     assert calibration["sizes"] == [2, 4] and calibration["world_size"] == 3
