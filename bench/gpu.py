@@ -487,7 +487,7 @@ def switch_part(runs: dict[str, dict[str, Any] | None],
 
 def predictor_part(runs: dict[str, dict[str, Any] | None], scale: Scale,
                    pp1: dict[str, Any] | None, plan_device: str | None,
-                   found: Findings) -> list[dict[str, Any]] | None:
+                   found: Findings) -> dict[str, Any] | None:
     """The modeled predictor's step against each layout's measured median step."""
     if plan_device is None:
         found.null("predictor", "no device description for this GPU: pass --plan-device")
@@ -520,7 +520,7 @@ def predictor_part(runs: dict[str, dict[str, Any] | None], scale: Scale,
                 runs[name]["steps"])
     if runs["switch"] is not None:
         add("switch", job, *switch_plan(job, scale), runs["switch"]["steps"])
-    return rows
+    return {"device": plan_device, "baseline": "measured median step", "rows": rows}
 
 
 # -- the command ------------------------------------------------------------------------------

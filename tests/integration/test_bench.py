@@ -147,7 +147,7 @@ def test_gpu_bench_tiny_runs_every_cpu_part_and_keeps_the_bits():
     assert [(s["from_pp"], s["to_pp"]) for s in report["switches"]] == [(2, 3), (3, 1)]
     assert all(s["pause_s"] > 0 and s["bytes_moved"] > 0 for s in report["switches"])
     # tidal_pp1, pp 1, 2 and 4, and the switch's three generations
-    rows = report["predictor"]
+    rows = report["predictor"]["rows"]
     assert [(r["run"], r["pp"]) for r in rows] == [
         ("tidal_pp1", 1), ("pp1", 1), ("pp2", 2), ("pp4", 4),
         ("switch", 2), ("switch", 3), ("switch", 1)]
@@ -180,4 +180,11 @@ def test_gpu_bench_reads_the_gpu_figures_where_the_runner_reports_them():
     assert strict["bitwise_equal"] is True and strict["determinism"] == {"threads": 1}
     runs["pp1_again"]["steps"][2]["loss_hex"] = "0x1p+3"
     assert gpu.strict_part(runs, gpu.SCALES["tiny"], found)["bitwise_equal"] is False
-    assert found.null_reasons == {}
+    placement = {"transport": "host"}
+    assert gpu.pipeline_part(runs, {}, placement, found)["bitwise_equal"] is True
+    runs["pp2"]["params_sha256"] = "q"  # the same losses, other parameters
+    pipeline = gpu.pipeline_part(runs, {}, placement, found)
+    assert pipeline["runs"]["pp2"]["losses_equal"] is True
+    assert pipeline["bitwise_equal"] is False
+    assert set(found.null_reasons) == {"pipeline.device", "pipeline.backend",
+                                       "pipeline.runs.pp4"}
