@@ -2,7 +2,8 @@
 
 Both train the same Hugging Face Llama from the same initial values on the same micro-batches:
 
-- tidal: a ``Trainer`` over a one-worker world (a gloo group of one, as a pp=1 worker has),
+- tidal: a ``Trainer`` over a one-worker world (a gloo group of one, as a pp=1 worker has; an
+  NCCL one with ``--device cuda``),
   running its real step: the runtime's action list over the placement units (each under the
   precision's autocast), the global-order gradient clip, the per-tensor AdamW and the step loss;
 - plain: ``AutoModelForCausalLM.from_config`` (sdpa attention) holding Tidal's initial values
@@ -12,7 +13,8 @@ Both train the same Hugging Face Llama from the same initial values on the same 
   ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` with the same groups (weight
   decay on matrices only), hyperparameters and per-step learning rate (``lr_at``). It leaves
   ``foreach`` and ``fused`` at torch's defaults, which on CPU are the per-tensor loops that
-  Tidal asks for (``foreach=False``); on CUDA they would be the multi-tensor kernels.
+  Tidal asks for (``foreach=False``); on CUDA they are the multi-tensor kernels. It reads
+  the step loss once per step, as Tidal does (a host sync per micro-batch would slow a GPU).
 
 Both run in one process on one thread (``torch.set_num_threads(1)``), alternating step by step
 (Tidal first on even steps, plain first on odd ones): whatever else runs on the host slows both
@@ -24,7 +26,9 @@ Prints JSON: per precision (fp32, bf16) the median step seconds of each side, ``
 median of the paired step ratios tidal/plain) and each side's first step loss (the same: the
 units compute the library's numbers); ``ratio`` at the top is the worst precision's.
 
-    python bench/hf_step.py [--precision fp32,bf16] [--steps 10] [--warmup 2]
+    python bench/hf_step.py [--precision fp32,bf16] [--steps 10] [--warmup 2] [--device cuda]
+
+bench/gpu.py uses the two sides one after the other at a GPU's sizes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +52,7 @@ from tidal_agent.hf import hf_name  # noqa: E402
 from tidal_agent.optim import lr_at  # noqa: E402
 from tidal_agent.trainer import Trainer, batch_source  # noqa: E402
 from tidal_agent.world import Rendezvous, build_world  # noqa: E402
-from tidal_api import JobSpec, parse_job  # noqa: E402
+from tidal_api import ElasticTrainingJob, JobSpec, parse_job  # noqa: E402
 from tidal_plan.layout import build_layout  # noqa: E402
 
 CONFIG = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 512,
@@ -61,46 +66,57 @@ TRAINING = {"steps": 1000, "globalBatchSize": 8, "microBatchSize": 2, "lr": 1e-3
             "warmupSteps": 0, "gradClip": 1.0, "seed": 0}
 
 
-def _spec(config: dict, seq_len: int, precision: str) -> JobSpec:
+def hf_job(config: dict, seq_len: int, precision: str, *, name: str = "hf-step",
+           training: dict | None = None, max_workers: int = 1) -> ElasticTrainingJob:
+    """A job training the Hugging Face ``config`` on the synthetic corpus (``TRAINING``'s
+    hyperparameters, overridden by ``training``), on 1 to ``max_workers`` workers."""
     sizes = {"layers": config["num_hidden_layers"], "dModel": config["hidden_size"],
              "heads": config["num_attention_heads"], "vocab": config["vocab_size"],
              "seqLen": seq_len}
     return parse_job({
         "apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
-        "metadata": {"name": "hf-step"},
-        "spec": {"workers": {"min": 1, "max": 1},
+        "metadata": {"name": name},
+        "spec": {"workers": {"min": 1, "max": max_workers},
                  "model": {**sizes, "huggingface": {"config": config}},
-                 "training": {**TRAINING, "precision": precision}},
-    }).spec
+                 "training": {**TRAINING, **(training or {}), "precision": precision}},
+    })
 
 
-def _tidal(spec: JobSpec, store: dist.Store, precision: str) -> Trainer:
-    """A pp=1 worker's trainer: one stage holding every unit, in a world of one."""
+def tidal_trainer(spec: JobSpec, store: dist.Store, name: str, device: torch.device) -> Trainer:
+    """A pp=1 worker's trainer on ``device``: one stage holding every unit, in a world of one
+    (NCCL's on CUDA, as ``tidal agent`` builds it there; gloo's on the CPU)."""
     t = spec.training
     members = ("worker-0",)
-    world = build_world(Rendezvous(host="127.0.0.1", port=0, prefix=""), 0, members,
-                        members[0], name=f"hf-step-{precision}", store=store)
+    transport = "nccl" if device.type == "cuda" else "gloo"
+    world = build_world(Rendezvous(host="127.0.0.1", port=0, prefix="", transport=transport),
+                        0, members, members[0], name=name, store=store)
     layout = build_layout(num_units=spec.model.num_units, workers=1,
                           micro_batch_size=t.micro_batch_size,
                           num_micro_batches=t.num_micro_batches, schedule="1f1b")
-    return Trainer(spec=spec, layout=layout, world=world, device=torch.device("cpu"))
+    return Trainer(spec=spec, layout=layout, world=world, device=device)
 
 
 class PlainLoop:
-    """The transformers model trained the usual way, from the trainer's initial values."""
+    """The transformers model trained the usual way on ``device``, from the given initial
+    values (the trainer's ``named_params``). ``compile_backend``: the model under
+    ``torch.compile`` with that backend (inductor is what a user would pick)."""
 
-    def __init__(self, spec: JobSpec, config: dict, trainer: Trainer) -> None:
+    def __init__(self, spec: JobSpec, config: dict,
+                 initial: Iterable[tuple[str, torch.Tensor]], device: torch.device,
+                 compile_backend: str | None = None) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         fields = dict(config)
         hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        self.model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        with device:  # drawn where it trains (the values are replaced next): no host copy
+            self.model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
         loaded = self.model.load_state_dict(
-            {hf_name(spec.model, name): p.detach() for name, p in trainer.named_params},
-            strict=False)
+            {hf_name(spec.model, name): p.detach() for name, p in initial}, strict=False)
         if loaded.unexpected_keys or set(loaded.missing_keys) - {"model.rotary_emb.inv_freq"}:
             raise SystemExit(f"the trainer's parameters do not fit the model: {loaded}")
-        self.spec, self.t = spec, spec.training
+        self.forward = (torch.compile(self.model, backend=compile_backend) if compile_backend
+                        else self.model)
+        self.spec, self.t, self.device = spec, spec.training, device
         params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.t.weight_decay},
@@ -112,26 +128,30 @@ class PlainLoop:
         t, seq = self.t, self.spec.model.seq_len
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, t)
-        total = 0.0  # summed as Tidal's step loss is, in float64 and micro-batch order
+        losses = []
         for m in range(t.num_micro_batches):
-            tokens = self.batches.micro_batch(step, m)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.precision == "bf16"):
-                logits = self.model(input_ids=tokens[:, :seq], use_cache=False).logits
+            tokens = self.batches.micro_batch(step, m).to(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                enabled=t.precision == "bf16"):
+                logits = self.forward(input_ids=tokens[:, :seq], use_cache=False).logits
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
                                    tokens[:, 1 : 1 + seq].reshape(-1))
             (loss / t.num_micro_batches).backward()
-            total += loss.item()
+            losses.append(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0  # read once per step (one host sync), summed as Tidal's step loss is
+        for value in torch.stack(losses).tolist():  # in float64 and micro-batch order
+            total += value
         return total / t.num_micro_batches
 
 
 def bench_precision(config: dict, seq_len: int, precision: str, steps: int, warmup: int,
-                    store: dist.Store) -> dict:
-    spec = _spec(config, seq_len, precision)
-    tidal = _tidal(spec, store, precision)
-    plain = PlainLoop(spec, config, tidal)
+                    store: dist.Store, device: torch.device) -> dict:
+    spec = hf_job(config, seq_len, precision).spec
+    tidal = tidal_trainer(spec, store, f"hf-step-{precision}", device)
+    plain = PlainLoop(spec, config, tidal.named_params, device)
     sides = {"tidal": lambda step: tidal.step(step).loss, "plain": plain.step}
     times: dict[str, list[float]] = {"tidal": [], "plain": []}
     first_loss: dict[str, float] = {}
@@ -160,7 +180,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
     parser.add_argument("--tiny", action="store_true", help="a toy model: checks the bench runs")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both sides train (cuda: the current GPU)")
     args = parser.parse_args()
+    device = torch.device(args.device)
     config = {**CONFIG, **(TINY if args.tiny else {})}
     seq_len = SEQ_LEN["tiny" if args.tiny else "full"]
     torch.set_num_threads(1)
@@ -169,7 +192,8 @@ def main() -> None:
     for precision in args.precision.split(","):
         print(f"{precision}: {args.warmup} warm-up + {args.steps} timed steps per side...",
               file=sys.stderr, flush=True)
-        runs.append(bench_precision(config, seq_len, precision, args.steps, args.warmup, store))
+        runs.append(bench_precision(config, seq_len, precision, args.steps, args.warmup, store,
+                                    device))
         print(f"{precision}: ratio {runs[-1]['ratio']:.3f}", file=sys.stderr, flush=True)
     report = {
         "benchmark": "hf_step",
@@ -177,6 +201,7 @@ def main() -> None:
         "config": config,
         "seq_len": seq_len,
         "training": {k: TRAINING[k] for k in ("globalBatchSize", "microBatchSize")},
+        "device": str(device),
         "threads": torch.get_num_threads(),
         "runs": [{k: v for k, v in r.items() if k != "paired_ratios"} for r in runs],
         "ratio": max(r["ratio"] for r in runs),

@@ -43,6 +43,12 @@ def _run(workers: int, steps: int, every: int | None) -> list[dict]:
     return report["steps"]
 
 
+def held_seconds(rows: list[dict]) -> list[float]:
+    """Each step's seconds with its snapshot's hold on training (the copy, and the wait for the
+    previous swap), from a run's step rows: from one step's start to the next's."""
+    return [r["seconds"] + (r["snapshot_s"] or 0.0) for r in rows]
+
+
 def _state_bytes(workers: int) -> int:
     job = _job()
     layout = resolve_layout(job, workers=workers)
@@ -71,7 +77,7 @@ def main() -> None:
                 print(f"{workers} workers, round {round_ + 1}/{args.rounds}, snapshots {name}",
                       file=sys.stderr, flush=True)
                 rows = _run(workers, args.steps, VARIANTS[name])[2:]
-                step_s[name] += [r["seconds"] + (r["snapshot_s"] or 0.0) for r in rows]
+                step_s[name] += held_seconds(rows)
                 held[name] += [r["snapshot_s"] for r in rows if r["snapshot_s"]]
         without = statistics.mean(step_s["off"])
         result = {"step_s_without": without, "state_bytes": _state_bytes(workers),

@@ -1,5 +1,6 @@
 """The benchmarks still run (on a toy model; their figures are for the closing notes)."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -111,3 +112,79 @@ def test_decide_bench_reports_each_size_against_the_target():
     assert set(tiny["scenarios"]) == {"scale_up", "scale_down"}
     assert report["median_ms"] == tiny["median_ms"] == max(
         s["median_ms"] for s in tiny["scenarios"].values())
+
+
+def test_gpu_bench_tiny_runs_every_cpu_part_and_keeps_the_bits():
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--tiny"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["errors"] == {}
+    assert {"device", "pp1", "strict", "pipeline", "snapshots", "switches", "predictor",
+            "null_reasons"} <= report.keys()
+    # What needs CUDA is null, each with its reason
+    for key in ("gpu", "nccl", "driver"):
+        assert report["device"][key] is None and report["null_reasons"][f"device.{key}"]
+    pp1 = report["pp1"]
+    assert pp1["first_loss_equal"] is True  # the units compute the library's numbers
+    for name in ("tidal", "plain_eager", "plain_compiled"):
+        assert pp1["sides"][name]["tokens_per_s"] > 0 and pp1["sides"][name]["mfu"] > 0
+    assert pp1["ratio"] > 0 and pp1["compiled_ratio"] > 0
+    # pp 2, 4 and the live switch 2 -> 3 -> 1 give pp=1's losses and parameters, bit for bit
+    pipeline = report["pipeline"]
+    assert pipeline["steps"] == 6 and len(set(pipeline["losses_hex"])) > 1
+    assert [pipeline["runs"][name]["pp"] for name in ("pp1", "pp2", "pp4", "switch")] == [
+        [1], [2], [4], [2, 3, 1]]
+    for run in pipeline["runs"].values():
+        assert run["losses_equal"] is True and run["params_equal"] is True
+    assert pipeline["bitwise_equal"] is True
+    strict = report["strict"]
+    assert strict["steps"] == 3 and strict["runs"][0] == strict["runs"][1]
+    assert strict["bitwise_equal"] is True
+    snapshots = report["snapshots"]
+    assert snapshots["snapshots"] > 0 and snapshots["ratio"] > 0
+    assert snapshots["bitwise_equal"] is True
+    assert [(s["from_pp"], s["to_pp"]) for s in report["switches"]] == [(2, 3), (3, 1)]
+    assert all(s["pause_s"] > 0 and s["bytes_moved"] > 0 for s in report["switches"])
+    # tidal_pp1, pp 1, 2 and 4, and the switch's three generations
+    rows = report["predictor"]["rows"]
+    assert [(r["run"], r["pp"]) for r in rows] == [
+        ("tidal_pp1", 1), ("pp1", 1), ("pp2", 2), ("pp4", 4),
+        ("switch", 2), ("switch", 3), ("switch", 1)]
+    assert all(r["predicted_step_s"] > 0 and r["measured_step_s"] > 0 for r in rows)
+
+
+def test_gpu_bench_reads_the_gpu_figures_where_the_runner_reports_them():
+    """Peak GPU memory and determinism, from a report that has them (a GPU run's)."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
+    gpu = sys.modules["bench_gpu"] = importlib.util.module_from_spec(spec)  # its dataclasses
+    spec.loader.exec_module(gpu)
+
+    def run(pp: int, peak: int, steps: list[str], **extra) -> dict:
+        return {"steps": [{"step": i, "seconds": 1.0, "loss_hex": h, "layout": {"pp": pp},
+                           "snapshot_s": None} for i, h in enumerate(steps)],
+                "params_sha256": "p", "startup_s": 1.0, "peak_gpu_bytes": {"worker-0": peak},
+                **extra}
+
+    found = gpu.Findings()
+    hexes = ["0x1p+0", "0x1p+1", "0x1p+2"]
+    switch = run(2, 0, hexes, reconfigurations=[
+        {"at_step": 1, "from": {"pp": 2}, "to": {"pp": 1}, "pause_s": 0.5, "bytes_moved": 8,
+         "peak_gpu_bytes": 300}])
+    runs = {"pp1": run(1, 100, hexes), "pp2": run(2, 200, hexes), "pp4": None,
+            "switch": switch, "pp1_again": run(1, 100, hexes, determinism={"threads": 1}),
+            "pp2_snapshots": None}
+    (change,) = gpu.switch_part(runs, found)
+    assert change["peak_gpu_bytes"] == 300 and change["peak_over_steady"] == 1.5
+    strict = gpu.strict_part(runs, gpu.SCALES["tiny"], found)
+    assert strict["bitwise_equal"] is True and strict["determinism"] == {"threads": 1}
+    runs["pp1_again"]["steps"][2]["loss_hex"] = "0x1p+3"
+    assert gpu.strict_part(runs, gpu.SCALES["tiny"], found)["bitwise_equal"] is False
+    placement = {"transport": "host"}
+    assert gpu.pipeline_part(runs, {}, placement, found)["bitwise_equal"] is True
+    runs["pp2"]["params_sha256"] = "q"  # the same losses, other parameters
+    pipeline = gpu.pipeline_part(runs, {}, placement, found)
+    assert pipeline["runs"]["pp2"]["losses_equal"] is True
+    assert pipeline["bitwise_equal"] is False
+    assert set(found.null_reasons) == {"pipeline.device", "pipeline.backend",
+                                       "pipeline.runs.pp4"}

@@ -1,0 +1,586 @@
+"""Tidal on one GPU, in one command: what issue 36 item 6 asks a one-GPU machine to measure.
+
+Each part below prints its figures beside the baseline it is compared with, as ratios:
+
+- ``device``: torch, CUDA, NCCL, cuDNN and transformers versions, the GPU's name and driver,
+  and the device description (tidal_plan.devices) that MFU and the modeled predictor use.
+- ``pp1``: a TinyLlama-shape Llama (22 layers, hidden 2048, intermediate 5632, 32 heads, 4
+  key-value heads, vocabulary 32000, 2048 tokens; global batch 16 in micro-batches of 4) in
+  bf16 autocast with fp32 master weights: Tidal's pp=1 ``Trainer`` over a world of one, the
+  plain transformers loop (bench/hf_step.py's ``PlainLoop``) eager, and the same loop with the
+  model under ``torch.compile``, from the same initial values. Tokens/s and MFU of each; the
+  baseline is the eager plain loop (``ratio``: Tidal / it, ``compiled_ratio``: Tidal /
+  the compiled loop). The three run one after the other, not alternating as hf_step.py does:
+  Tidal alone peaks near 40 GiB at this shape, so two at once would not fit an H100. MFU counts
+  6N + 12 L d seq FLOPs per token (N: the parameters less the input embedding table, whose
+  lookup does no matmul; the attention term as PaLM's, without halving for the causal mask)
+  against the description's dense bf16 peak. No determinism setting is made in this process.
+- ``pipeline``: pp 1, 2 and 4 and a live switch 2 -> 3 -> 1 as worker processes on the one
+  GPU over ``transport host`` (ranks compute on CUDA and share the GPU, talking over gloo
+  through pinned host buffers), in strict mode; each run's losses (``float.hex``) and
+  ``params_sha256`` against pp=1's, and each median step against pp=1's. Their model is
+  TinyLlama's width (its kernels, attention over 2048 tokens included, are pp1's) and 8 of its
+  22 layers: 0.48B parameters, whose training state (7.7 GB) and start-up let the six runs fit
+  the time budget while pp=4 still has two decoder layers a stage.
+- ``strict``: run-to-run bits in strict mode: the pp=1 run's first 3 steps and a second run
+  of 3 steps from the same seed; the ``determinism`` settings the run reports.
+- ``snapshots``: pp=2 with a peer snapshot at every step against pp=2 without (the mean of
+  step plus snapshot hold after the warm-up, as bench/snapshot.py measures), and their bits.
+- ``switches``: each switch's pause, bytes moved and peak GPU memory, and that peak over the
+  static runs' (where one ran at both layouts' pp).
+- ``predictor``: tidal_plan's modeled predictor (``LayoutPlanner(job, device).predict``)
+  against each layout's measured median step (runner.layout_report: a generation's first
+  step left out): ``tidal_pp1`` is pp1's Tidal side, then the pipeline's runs, the switch per
+  generation. On one GPU the pipeline's ranks share it; the predictor gives each its own.
+
+``--tiny`` runs all of it on the CPU at toy sizes (a few tens of seconds); what needs CUDA is
+``null``, its reason under ``null_reasons`` (keyed by the JSON path). It compiles with dynamo's
+``eager`` backend there unless ``--compile-backend`` says otherwise: inductor takes about 70 s
+to compile even the toy model on a 2-core machine. A part that fails leaves its key ``null``,
+its error under ``errors``, and the command exits 1 after printing the JSON.
+
+    python bench/gpu.py [--tiny] [--compile-backend inductor] [--plan-device h100|h200|FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [*(str(ROOT / root) for root in ("api", "agent", "operator", "doubles")),
+                str(ROOT / "bench")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hf_step import CONFIG, TINY, PlainLoop, hf_job, tidal_trainer  # noqa: E402
+from reshard import snapshot_every  # noqa: E402
+from snapshot import held_seconds  # noqa: E402
+
+import tidal_plan.devices as plan_devices  # noqa: E402
+from tidal_agent.runner import layout_report, run_elastic, run_local  # noqa: E402
+from tidal_api import ElasticTrainingJob  # noqa: E402
+from tidal_api.layout import Layout  # noqa: E402
+from tidal_plan.elastic import Generation, elastic_plan  # noqa: E402
+from tidal_plan.layout import resolve_layout  # noqa: E402
+from tidal_plan.planner import LayoutPlanner  # noqa: E402
+
+TINYLLAMA = {"model_type": "llama", "num_hidden_layers": 22, "hidden_size": 2048,
+             "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
+             "vocab_size": 32000, "max_position_embeddings": 2048}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Scale:
+    """The sizes of one run of the bench: a GPU's, or the CPU's toy ones."""
+
+    pp1_config: dict
+    pipeline_config: dict
+    seq_len: int
+    training: dict  # batch sizes
+    warmup: int  # pp1: untimed steps per side
+    steps: int  # pp1: timed steps per side
+    pipeline_steps: int  # every pipeline run's (the switch's too: same bits at the end)
+    strict_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if self.pipeline_steps < 6 or self.pipeline_steps % 3:
+            raise ValueError("pipeline_steps must be a multiple of 3, at least 6: the switch "
+                             "runs each of its three layouts a third of them")
+
+
+SCALES = {
+    "gpu": Scale(pp1_config=TINYLLAMA, pipeline_config={**TINYLLAMA, "num_hidden_layers": 8},
+                 seq_len=2048, training={"globalBatchSize": 16, "microBatchSize": 4},
+                 warmup=2, steps=5, pipeline_steps=12),
+    "tiny": Scale(pp1_config={**CONFIG, **TINY},
+                  pipeline_config={**CONFIG, **TINY, "num_hidden_layers": 4},
+                  seq_len=32, training={"globalBatchSize": 8, "microBatchSize": 2},
+                  warmup=1, steps=2, pipeline_steps=6),
+}
+
+
+def _say(message: str) -> None:
+    print(f"gpu: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Findings:
+    """What the parts could not give: a null's reason, a part's error."""
+
+    null_reasons: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def null(self, path: str, reason: str) -> None:
+        self.null_reasons[path] = reason
+
+    def part(self, name: str, measure: Callable[[], Any]) -> Any:
+        """``measure()``, or None with its error recorded (the other parts still run)."""
+        _say(f"{name}...")
+        started = time.perf_counter()
+        try:
+            result = measure()
+        except Exception as err:  # noqa: BLE001 - recorded in the JSON, on stderr and in the exit code
+            traceback.print_exc()
+            self.errors[name] = f"{type(err).__name__}: {err}"
+            return None
+        _say(f"{name}: {time.perf_counter() - started:.1f} s")
+        return result
+
+
+# -- device -----------------------------------------------------------------------------------
+
+def _driver() -> tuple[str | None, str | None]:
+    """The NVIDIA driver's version, or None and why (torch.cuda does not say; pynvml does)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as err:  # noqa: BLE001 - a version the record can do without; says why
+        return None, f"pynvml could not say ({type(err).__name__}: {err})"
+    return (version.decode() if isinstance(version, bytes) else version), None
+
+
+def device_record(cuda: bool, found: Findings) -> dict[str, Any]:
+    import transformers
+
+    record: dict[str, Any] = {
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda": torch.version.cuda, "cudnn": None, "nccl": None, "gpu": None,
+        "gpu_memory_bytes": None, "driver": None,
+    }
+    if not cuda:
+        for key in ("cudnn", "nccl", "gpu", "gpu_memory_bytes", "driver"):
+            found.null(f"device.{key}", "no CUDA device (--tiny)")
+        if record["cuda"] is None:
+            found.null("device.cuda", "torch is a CPU build")
+        return record
+    props = torch.cuda.get_device_properties(0)
+    nccl = torch.cuda.nccl.version()  # a tuple, or an int in older torch
+    record.update(gpu=props.name, gpu_memory_bytes=props.total_memory,
+                  cudnn=torch.backends.cudnn.version(),
+                  nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
+    record["driver"], why = _driver()
+    if why:
+        found.null("device.driver", why)
+    return record
+
+
+def plan_device_name(gpu: str | None, asked: str | None) -> str | None:
+    """The device description MFU and the predictor use: ``asked``, else the CPU's, else the
+    GPU's by its name: h200 where the name says H200 and that description exists, h100 for an
+    H100 (or an H200 where only h100 is described: the same dense bf16 peak); else None."""
+    if asked:
+        return asked
+    if gpu is None:
+        return "cpu"
+    by_name = getattr(plan_devices, "gpu_description", None)  # where this checkout has it
+    if by_name is not None and by_name(gpu):
+        return by_name(gpu)
+    lowered = gpu.lower()
+    if "h200" in lowered and "h200" in plan_devices.DEVICES:
+        return "h200"
+    return "h100" if "h100" in lowered or "h200" in lowered else None
+
+
+# -- pp1: Tidal against the plain loop, eager and compiled ----------------------------------
+
+def flops_per_token(config: dict, seq_len: int) -> float:
+    """6N + 12 L d seq, N without the input embedding table (tied: counted as the LM head)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(config)
+    hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    n = sum(p.numel() for p in model.parameters())  # a tied table is one parameter here
+    if not hf_config.tie_word_embeddings:
+        n -= model.get_input_embeddings().weight.numel()
+    layers, width = config["num_hidden_layers"], config["hidden_size"]
+    return 6 * n + 12 * layers * width * seq_len
+
+
+def pp1_job(scale: Scale) -> ElasticTrainingJob:
+    return hf_job(scale.pp1_config, scale.seq_len, "bf16", name="gpu-pp1",
+                  training=scale.training)
+
+
+def pipeline_job(scale: Scale) -> ElasticTrainingJob:
+    return hf_job(scale.pipeline_config, scale.seq_len, "bf16", name="gpu-pipeline",
+                  training=scale.training, max_workers=4)
+
+
+def switch_plan(job: ElasticTrainingJob, scale: Scale) -> tuple[list[Generation], list[Layout]]:
+    """2 -> 3 -> 1 workers, a third of the steps each."""
+    third = scale.pipeline_steps // 3
+    return elastic_plan(job, [(0, 2), (third, 3), (2 * third, 1)])
+
+
+def _timed(step: Callable[[int], float], warmup: int, steps: int,
+           device: torch.device) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds, losses = [], []
+    for i in range(warmup + steps):
+        started = time.perf_counter()
+        losses.append(step(i))
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return {"step_s": statistics.median(seconds[warmup:]), "steps_s": seconds[warmup:],
+            "first_step_s": seconds[0], "first_step_loss": losses[0],
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def pp1_part(scale: Scale, device: torch.device, compile_backend: str | None,
+             peak_flops: float | None, found: Findings) -> dict[str, Any]:
+    """Tidal's pp=1 step, the plain loop's and the compiled plain loop's, one after the other."""
+    config = scale.pp1_config
+    spec = pp1_job(scale).spec
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    sides: dict[str, dict[str, Any] | None] = {}
+
+    trainer = tidal_trainer(spec, store, "gpu-pp1", device)
+    layout = trainer.layout
+    initial = [(name, p.detach().to("cpu", copy=True)) for name, p in trainer.named_params]
+    _say("pp1: tidal")
+    sides["tidal"] = _timed(lambda s: trainer.step(s).loss, scale.warmup, scale.steps, device)
+    trainer.world.close()
+    del trainer
+    _free(device)
+    _say("pp1: plain, eager")
+    plain = PlainLoop(spec, config, initial, device)
+    sides["plain_eager"] = _timed(plain.step, scale.warmup, scale.steps, device)
+    del plain
+    _free(device)
+    if compile_backend is None:
+        sides["plain_compiled"] = None
+        found.null("pp1.sides.plain_compiled", "--compile-backend none")
+    else:
+        _say(f"pp1: plain, torch.compile (backend {compile_backend}; its first step compiles)")
+        plain = PlainLoop(spec, config, initial, device, compile_backend=compile_backend)
+        sides["plain_compiled"] = _timed(plain.step, scale.warmup, scale.steps, device)
+        del plain
+        _free(device)
+
+    tokens = spec.training.global_batch_size * spec.model.seq_len
+    per_token = flops_per_token(config, scale.seq_len)
+    for name, side in sides.items():
+        if side is None:
+            continue
+        side["tokens_per_s"] = tokens / side["step_s"]
+        side["mfu"] = (per_token * side["tokens_per_s"] / peak_flops) if peak_flops else None
+        if peak_flops is None:
+            found.null(f"pp1.sides.{name}.mfu", "no device description for this GPU")
+        if side["peak_gpu_bytes"] is None:
+            found.null(f"pp1.sides.{name}.peak_gpu_bytes", "on the CPU")
+    tidal, eager, compiled = sides["tidal"], sides["plain_eager"], sides["plain_compiled"]
+    return {
+        "config": config, "seq_len": scale.seq_len, "precision": "bf16",
+        "training": scale.training, "layout": layout.to_dict(),
+        "device": str(device), "compile_backend": compile_backend,
+        "flops_per_token": per_token, "tokens_per_step": tokens,
+        "baseline": "plain_eager",
+        "sides": sides,
+        "ratio": tidal["step_s"] / eager["step_s"],
+        "compiled_ratio": tidal["step_s"] / compiled["step_s"] if compiled else None,
+        "compiled_speedup": eager["step_s"] / compiled["step_s"] if compiled else None,
+        "first_loss_equal": tidal["first_step_loss"] == eager["first_step_loss"],
+    }
+
+
+# -- pipeline runs over the host transport ----------------------------------------------------
+
+def worker_placement(cuda: bool, transport: str = "host") -> dict[str, Any]:
+    """run_elastic's keyword arguments that put the workers on the GPU (or the CPU) talking
+    over ``transport``, for the runner this checkout has: ``devices`` (tidal_plan.gpus'
+    ``Devices``: its transport and how many GPUs to spread the workers over), else ``device``
+    (cuda or cpu) where it takes one, and ``transport``. Where the runner refuses the host
+    transport on the CPU, the CPU's own (gloo) stands in: its bits are the same."""
+    params = inspect.signature(run_elastic).parameters
+    if "devices" in params:
+        from tidal_plan.gpus import Devices
+
+        try:
+            return {"devices": Devices(transport=transport,
+                                       gpus=torch.cuda.device_count() if cuda else 0)}
+        except ValueError:
+            if cuda:
+                raise
+            return {"devices": Devices(transport="gloo")}
+    kwargs: dict[str, Any] = {"transport": transport}
+    if "device" in params:
+        kwargs["device"] = "cuda" if cuda else "cpu"
+    return kwargs
+
+
+def _placed_transport(placement: dict[str, Any]) -> str:
+    return placement["devices"].transport if "devices" in placement else placement["transport"]
+
+
+def pipeline_runs(job: ElasticTrainingJob, scale: Scale, placement: dict[str, Any],
+                  found: Findings) -> dict[str, dict[str, Any] | None]:
+    """Every run the pipeline, strict, snapshot, switch and predictor parts read."""
+    steps, timeout = scale.pipeline_steps, 600.0
+
+    def static(pp: int, **kwargs) -> Callable[[], dict[str, Any]]:
+        return lambda: run_local(job, resolve_layout(job, workers=pp), steps=steps,
+                                 timeout_s=timeout, **placement, **kwargs)
+
+    def switch() -> dict[str, Any]:
+        return run_elastic(job, *switch_plan(job, scale), steps=steps, timeout_s=timeout,
+                           **placement)
+
+    def again() -> dict[str, Any]:
+        return run_local(job, resolve_layout(job, workers=1), steps=scale.strict_steps,
+                         timeout_s=timeout, **placement)
+
+    def snapshots() -> dict[str, Any]:
+        every_step = snapshot_every(job, 1)
+        return run_local(every_step, resolve_layout(job, workers=2), steps=steps,
+                         timeout_s=timeout, peer_snapshots=True, **placement)
+
+    runs = {"pp1": static(1), "pp2": static(2), "pp4": static(4), "switch": switch,
+            "pp1_again": again, "pp2_snapshots": snapshots}
+    return {name: found.part(f"run {name}", run) for name, run in runs.items()}
+
+
+def _hexes(report: dict[str, Any]) -> list[str]:
+    return [s["loss_hex"] for s in report["steps"]]
+
+
+def _median_step(report: dict[str, Any]) -> float:
+    return statistics.median(s["seconds"] for s in report["steps"][1:])
+
+
+def pipeline_part(runs: dict[str, dict[str, Any] | None], config: dict,
+                  placement: dict[str, Any], found: Findings) -> dict[str, Any] | None:
+    reference = runs["pp1"]
+    if reference is None:
+        found.null("pipeline", "the pp=1 run failed (errors)")
+        return None
+    base = _median_step(reference)
+    out: dict[str, Any] = {
+        "transport": reference.get("transport", _placed_transport(placement)),
+        "device": reference.get("device"), "backend": reference.get("backend"),
+        "config": config, "baseline": "pp1", "steps": len(reference["steps"]),
+        "losses_hex": _hexes(reference), "params_sha256": reference["params_sha256"],
+        "runs": {},
+    }
+    if "device" not in reference:
+        found.null("pipeline.device", "the runner does not report it")
+        found.null("pipeline.backend", "the runner does not report it")
+    for name in ("pp1", "pp2", "pp4", "switch"):
+        run = runs[name]
+        if run is None:
+            out["runs"][name] = None
+            found.null(f"pipeline.runs.{name}", "the run failed (errors)")
+            continue
+        peaks = run.get("peak_gpu_bytes")
+        if peaks is None:
+            found.null(f"pipeline.runs.{name}.peak_gpu_bytes", "the runner does not report it")
+        out["runs"][name] = {
+            "pp": list(dict.fromkeys(s["layout"]["pp"] for s in run["steps"])),  # in order
+            "step_s": _median_step(run),
+            "step_ratio": _median_step(run) / base,
+            "losses_equal": _hexes(run) == _hexes(reference),
+            "params_equal": run["params_sha256"] == reference["params_sha256"],
+            "peak_gpu_bytes": peaks,  # per worker
+            "startup_s": run["startup_s"],
+        }
+    compared = [r for r in out["runs"].values() if r is not None]
+    out["bitwise_equal"] = all(r["losses_equal"] and r["params_equal"] for r in compared)
+    return out
+
+
+def strict_part(runs: dict[str, dict[str, Any] | None], scale: Scale,
+                found: Findings) -> dict[str, Any] | None:
+    first, second = runs["pp1"], runs["pp1_again"]
+    if first is None or second is None:
+        found.null("strict", "a pp=1 run failed (errors)")
+        return None
+    n = scale.strict_steps
+    determinism = second.get("determinism")
+    if determinism is None:
+        found.null("strict.determinism", "the runner reports no determinism settings")
+    return {"steps": n, "runs": [_hexes(first)[:n], _hexes(second)],
+            "bitwise_equal": _hexes(first)[:n] == _hexes(second),
+            "determinism": determinism}
+
+
+def snapshot_part(runs: dict[str, dict[str, Any] | None], found: Findings,
+                  warmup: int = 2) -> dict[str, Any] | None:
+    without, with_ = runs["pp2"], runs["pp2_snapshots"]
+    if without is None or with_ is None:
+        found.null("snapshots", "a pp=2 run failed (errors)")
+        return None
+    off = statistics.mean(held_seconds(without["steps"][warmup:]))
+    on = statistics.mean(held_seconds(with_["steps"][warmup:]))
+    held = [s["snapshot_s"] for s in with_["steps"][warmup:] if s["snapshot_s"]]
+    host = with_.get("snapshot_bytes")
+    if host is None:
+        found.null("snapshots.snapshot_bytes", "the runner does not report it")
+    reference = runs["pp1"]
+    return {
+        "layout": "pp2", "every_steps": 1, "baseline": "pp2 without snapshots",
+        "step_s_without": off, "step_s_with": on, "ratio": on / off,
+        "held_s": statistics.median(held) if held else None, "snapshots": len(held),
+        "snapshot_bytes": host,
+        "bitwise_equal": (reference is not None and _hexes(with_) == _hexes(reference)
+                          and with_["params_sha256"] == reference["params_sha256"]),
+    }
+
+
+def _leader_peak(run: dict[str, Any] | None) -> int | None:
+    peaks = (run or {}).get("peak_gpu_bytes") or {}
+    return peaks.get("worker-0")
+
+
+def switch_part(runs: dict[str, dict[str, Any] | None],
+                found: Findings) -> list[dict[str, Any]] | None:
+    run = runs["switch"]
+    if run is None:
+        found.null("switches", "the switch run failed (errors)")
+        return None
+    steady = {pp: _leader_peak(runs[f"pp{pp}"]) for pp in (1, 2, 4)}
+    out = []
+    for i, rec in enumerate(run["reconfigurations"]):
+        peak = rec.get("peak_gpu_bytes")
+        pps = (rec["from"]["pp"], rec["to"]["pp"])
+        known = [steady.get(pp) for pp in pps]
+        if peak is None:
+            found.null(f"switches.{i}.peak_gpu_bytes",
+                       "the runner reports none (on the CPU, or before it measures GPU memory)")
+        over = None
+        if peak is not None and all(known):
+            over = peak / max(known)
+        elif peak is not None:
+            found.null(f"switches.{i}.peak_over_steady",
+                       f"no static run's leader peak at pp {' and '.join(map(str, pps))}")
+        out.append({"at_step": rec["at_step"], "from_pp": pps[0], "to_pp": pps[1],
+                    "pause_s": rec["pause_s"], "bytes_moved": rec["bytes_moved"],
+                    "peak_gpu_bytes": peak, "peak_over_steady": over})
+    return out
+
+
+def predictor_part(runs: dict[str, dict[str, Any] | None], scale: Scale,
+                   pp1: dict[str, Any] | None, plan_device: str | None,
+                   found: Findings) -> dict[str, Any] | None:
+    """The modeled predictor's step against each layout's measured median step."""
+    if plan_device is None:
+        found.null("predictor", "no device description for this GPU: pass --plan-device")
+        return None
+    device = plan_devices.load_device(plan_device)
+    rows = []
+
+    def add(name: str, job: ElasticTrainingJob, gens: list[Generation], layouts: list[Layout],
+            steps: list[dict[str, Any]]) -> None:
+        planner = LayoutPlanner(job, device)
+        predicted = [planner.predict(layout).step_seconds for layout in layouts]
+        for row in layout_report(gens, layouts, steps, predicted, "modeled"):
+            rows.append({"run": name, "pp": row["layout"]["pp"],
+                         "predicted_step_s": row["predicted_step_s"],
+                         "measured_step_s": row["measured_step_s"],
+                         "ratio": row["error"] + 1 if row["error"] is not None else None})
+
+    if pp1 is not None:
+        steps = [{"step": i, "seconds": s} for i, s in enumerate(pp1["sides"]["tidal"]["steps_s"],
+                                                                  start=1)]
+        layout = Layout(**pp1["layout"])
+        add("tidal_pp1", pp1_job(scale), [Generation(index=0, at_step=0, members=("w",))],
+            [layout], steps)
+    job = pipeline_job(scale)
+    for name in ("pp1", "pp2", "pp4"):
+        if runs[name] is not None:
+            layout = Layout(**runs[name]["layout"])
+            members = tuple(f"worker-{i}" for i in range(layout.world_size))
+            add(name, job, [Generation(index=0, at_step=0, members=members)], [layout],
+                runs[name]["steps"])
+    if runs["switch"] is not None:
+        add("switch", job, *switch_plan(job, scale), runs["switch"]["steps"])
+    return {"device": plan_device, "baseline": "measured median step", "rows": rows}
+
+
+# -- the command ------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true",
+                        help="toy sizes on the CPU: checks every part that does not need CUDA")
+    parser.add_argument("--compile-backend", default=None,
+                        help="torch.compile's backend for the compiled plain loop, or none "
+                             "(default: inductor; eager with --tiny)")
+    parser.add_argument("--plan-device", default=None,
+                        help="device description for MFU and the predictor (h100, h200, cpu or "
+                             "a JSON file; default: the GPU's by its name, cpu with --tiny)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    cuda = not args.tiny
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu.py needs a CUDA GPU; --tiny runs it on the CPU at toy sizes")
+    backend = args.compile_backend or ("eager" if args.tiny else "inductor")
+    backend = None if backend == "none" else backend
+    scale = SCALES["tiny" if args.tiny else "gpu"]
+    if args.tiny:  # one thread, as every worker: the CPU sides' speed does not hang on the host
+        torch.set_num_threads(1)
+    found = Findings()
+
+    device = found.part("device", lambda: device_record(cuda, found))
+    plan_device = plan_device_name((device or {}).get("gpu"), args.plan_device)
+    peak = plan_devices.load_device(plan_device).peak_flops if plan_device else None
+    job = pipeline_job(scale)
+    placement = worker_placement(cuda)
+    # The worker processes first: the GPU is all theirs, before this process holds any of it.
+    runs = pipeline_runs(job, scale, placement, found)
+    compute = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    pp1 = found.part("pp1", lambda: pp1_part(scale, compute, backend, peak, found))
+    report = {
+        "benchmark": "gpu", "tiny": args.tiny, "device": device,
+        "plan_device": plan_device,
+        "plan_peak_flops": peak,
+        "pp1": pp1,
+        "strict": found.part("strict", lambda: strict_part(runs, scale, found)),
+        "pipeline": found.part("pipeline", lambda: pipeline_part(
+            runs, scale.pipeline_config, placement, found)),
+        "snapshots": found.part("snapshots", lambda: snapshot_part(runs, found)),
+        "switches": found.part("switches", lambda: switch_part(runs, found)),
+        "predictor": found.part("predictor",
+                                lambda: predictor_part(runs, scale, pp1, plan_device, found)),
+        "null_reasons": found.null_reasons,
+        "errors": found.errors,
+        "seconds": time.perf_counter() - started,
+    }
+    if pp1 is not None:
+        if args.tiny and backend == "eager":
+            pp1["compile_note"] = ("--tiny compiles with dynamo's eager backend (graph capture, "
+                                   "no code generation): inductor takes about 70 s for the toy "
+                                   "model on a 2-core CPU")
+    print(json.dumps(report, indent=2))
+    if found.errors:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
