@@ -33,7 +33,8 @@ Each part below prints its figures beside the baseline it is compared with, as r
   step left out): ``tidal_pp1`` is pp1's Tidal side, then the pipeline's runs, the switch per
   generation. On one GPU the pipeline's ranks share it; the predictor gives each its own.
 
-``--tiny`` runs all of it on the CPU at toy sizes (a few tens of seconds); what needs CUDA is
+``--tiny`` runs all of it on the CPU at toy sizes (a few tens of seconds; the worker runs under
+NCCL's rules, transport ``nccl-model``); what needs CUDA is
 ``null``, its reason under ``null_reasons`` (keyed by the JSON path). It compiles with dynamo's
 ``eager`` backend there unless ``--compile-backend`` says otherwise: inductor takes about 70 s
 to compile even the toy model on a 2-core machine. A part that fails leaves its key ``null``,
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import statistics
 import sys
@@ -73,6 +73,7 @@ from tidal_agent.runner import layout_report, run_elastic, run_local  # noqa: E4
 from tidal_api import ElasticTrainingJob  # noqa: E402
 from tidal_api.layout import Layout  # noqa: E402
 from tidal_plan.elastic import Generation, elastic_plan  # noqa: E402
+from tidal_plan.gpus import Devices  # noqa: E402
 from tidal_plan.layout import resolve_layout  # noqa: E402
 from tidal_plan.planner import LayoutPlanner  # noqa: E402
 
@@ -313,31 +314,12 @@ def pp1_part(scale: Scale, device: torch.device, compile_backend: str | None,
 
 # -- pipeline runs over the host transport ----------------------------------------------------
 
-def worker_placement(cuda: bool, transport: str = "host") -> dict[str, Any]:
-    """run_elastic's keyword arguments that put the workers on the GPU (or the CPU) talking
-    over ``transport``, for the runner this checkout has: ``devices`` (tidal_plan.gpus'
-    ``Devices``: its transport and how many GPUs to spread the workers over), else ``device``
-    (cuda or cpu) where it takes one, and ``transport``. Where the runner refuses the host
-    transport on the CPU, the CPU's own (gloo) stands in: its bits are the same."""
-    params = inspect.signature(run_elastic).parameters
-    if "devices" in params:
-        from tidal_plan.gpus import Devices
-
-        try:
-            return {"devices": Devices(transport=transport,
-                                       gpus=torch.cuda.device_count() if cuda else 0)}
-        except ValueError:
-            if cuda:
-                raise
-            return {"devices": Devices(transport="gloo")}
-    kwargs: dict[str, Any] = {"transport": transport}
-    if "device" in params:
-        kwargs["device"] = "cuda" if cuda else "cpu"
-    return kwargs
-
-
-def _placed_transport(placement: dict[str, Any]) -> str:
-    return placement["devices"].transport if "devices" in placement else placement["transport"]
+def worker_placement(cuda: bool) -> dict[str, Any]:
+    """run_elastic's keyword arguments that put the workers on the one GPU over the host
+    transport, or, without CUDA, on the CPU under NCCL's rules (nccl-model)."""
+    if cuda:
+        return {"devices": Devices(transport="host", gpus=torch.cuda.device_count())}
+    return {"devices": Devices(transport="nccl-model")}
 
 
 def pipeline_runs(job: ElasticTrainingJob, scale: Scale, placement: dict[str, Any],
@@ -383,7 +365,7 @@ def pipeline_part(runs: dict[str, dict[str, Any] | None], config: dict,
         return None
     base = _median_step(reference)
     out: dict[str, Any] = {
-        "transport": reference.get("transport", _placed_transport(placement)),
+        "transport": reference.get("transport", placement["devices"].transport),
         "device": reference.get("device"), "backend": reference.get("backend"),
         "config": config, "baseline": "pp1", "steps": len(reference["steps"]),
         "losses_hex": _hexes(reference), "params_sha256": reference["params_sha256"],
