@@ -30,7 +30,7 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from tidal_agent.data import BatchSource
-from tidal_agent.measure import Clock, Span
+from tidal_agent.measure import Clock, Span, synchronize
 from tidal_agent.model import StageModule, Unit, UnitContext
 from tidal_agent.optim import build_adamw
 from tidal_agent.profiler import CALIBRATED
@@ -222,7 +222,7 @@ def time_messages(trainer: Trainer, repeats: int = 20, busy_s: float = 0.002) ->
         for i in range(repeats + 1):  # the first exchange sets the pair up: not counted
             started, cpu_started = time.perf_counter(), time.process_time()
             for leg in legs if sender else legs[::-1]:  # one message at a time, in turn
-                world.exchange([leg]).wait()
+                world.complete([leg])
             if i:
                 latency.append((time.perf_counter() - started) / 2)
                 cpu.append((time.process_time() - cpu_started) / 2)
@@ -233,11 +233,12 @@ def time_messages(trainer: Trainer, repeats: int = 20, busy_s: float = 0.002) ->
                 posted.append(world.exchange([send(buf, peer)]))
             for exchange in posted:
                 exchange.wait()
+            synchronize(world.device)
         else:
             for into in bufs:
                 _compute(1.5 * busy_s)
                 started = time.perf_counter()
-                world.exchange([recv(into, peer)]).wait()
+                world.complete([recv(into, peer)])
                 rendezvous.append(time.perf_counter() - started)
     world.barrier()
 
@@ -268,5 +269,6 @@ def time_collectives(trainer: Trainer, repeats: int = 5) -> float:
         started = time.perf_counter()
         trainer.world.all_reduce(norms)
         trainer.world.all_reduce(table)
+        synchronize(trainer.device)
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])

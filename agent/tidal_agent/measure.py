@@ -79,6 +79,12 @@ class Clock:
 Span = tuple[Mark, Mark]
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has done what was issued to it (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class MemoryPeaks:
     """A device's peak allocated memory, per measurement window and over the whole run.
 

@@ -339,11 +339,11 @@ class Trainer:
             for i in range(repeats + 1):
                 started = time.perf_counter()
                 if self.pp_rank == first:
-                    self.world.exchange([send(buf, peer)]).wait()
-                    self.world.exchange([recv(buf, peer)]).wait()
+                    self.world.complete([send(buf, peer)])
+                    self.world.complete([recv(buf, peer)])
                 else:
-                    self.world.exchange([recv(buf, peer)]).wait()
-                    self.world.exchange([send(buf, peer)]).wait()
+                    self.world.complete([recv(buf, peer)])
+                    self.world.complete([send(buf, peer)])
                 if i:  # the first exchange sets the connection up
                     times.append((time.perf_counter() - started) / 2)
             if self.pp_rank == first:

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tidal_agent.measure import synchronize
 from tidal_agent.transport import P2P, Posted, Transport, build_transport
 
 
@@ -95,6 +96,12 @@ class World:
         (tidal_agent.transport)."""
         self._check(*(op.tensor for op in ops))
         return self.transport.exchange(ops)
+
+    def complete(self, ops: Sequence[P2P]) -> None:
+        """Exchange ``ops`` and wait until they are done on the device too (NCCL's wait only
+        orders the device's stream): what a message is timed by."""
+        self.exchange(ops).wait()
+        synchronize(self.device)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self._check(tensor)

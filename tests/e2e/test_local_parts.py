@@ -116,7 +116,7 @@ def test_worker_pods_run_as_processes_with_a_local_rendezvous(tmp_path):
         assert env["demo-worker-1"]["OMP_NUM_THREADS"] == "1"
         assert seen["demo-worker-0"]["argv"] == [
             "agent", "--kubeconfig", str(tmp_path / "kubeconfig"), "--threads", "1",
-            "--modeled-table",
+            "--backend", "gloo", "--modeled-table",
             "--publish-interval", "1.0", "--report",
             str(tmp_path / "reports" / "default" / "demo-worker-0.json")]
         # Deleted: SIGTERM, gone within the grace period; force-deleted: stopped as well.
