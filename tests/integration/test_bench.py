@@ -180,7 +180,7 @@ def test_gpu_bench_reads_the_gpu_figures_where_the_runner_reports_them():
     assert strict["bitwise_equal"] is True and strict["determinism"] == {"threads": 1}
     runs["pp1_again"]["steps"][2]["loss_hex"] = "0x1p+3"
     assert gpu.strict_part(runs, gpu.SCALES["tiny"], found)["bitwise_equal"] is False
-    placement = {"transport": "host"}
+    placement = {"devices": gpu.Devices(transport="host", gpus=1)}
     assert gpu.pipeline_part(runs, {}, placement, found)["bitwise_equal"] is True
     runs["pp2"]["params_sha256"] = "q"  # the same losses, other parameters
     pipeline = gpu.pipeline_part(runs, {}, placement, found)
