@@ -1,6 +1,6 @@
 """Every policy over every cluster trace, with the defaults: the simulator's headline figures.
 
-For each trace in ``--traces`` (default ../shared/traces/elasticflow-itp) and each kind of
+For each trace in ``--traces`` (default traces/elasticflow-itp) and each kind of
 scale table (PP-only, DP+PP), ``tidal sim``'s run with its defaults: every policy's
 ``jct_speedup`` (static's mean elastic JCT over the policy's) and ``queue_ratio`` (the mean
 non-elastic queue time over static's), then per policy the geometric mean of the speedups over
@@ -126,7 +126,7 @@ def summarise(points: list[dict], key: str = "jct_speedup") -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=Path,
-                        default=ROOT.parent / "shared" / "traces" / "elasticflow-itp")
+                        default=ROOT / "traces" / "elasticflow-itp")
     parser.add_argument("--out", type=Path, help="reports and plots here")
     parser.add_argument("--doc", type=Path, help="Markdown file whose tables to rewrite")
     parser.add_argument("--json", type=Path, help="also write the JSON here")

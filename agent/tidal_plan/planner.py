@@ -7,7 +7,7 @@ data-parallel degree too. With a profile the profiling-based predictor chooses t
 the modeling-based one checks them (rows where they disagree are dropped); without one the
 modeling-based predictor chooses alone.
 
-``plan_flextrain`` plans the three configurations of the FlexTrain slides (shared/seeds/000_*)
+``plan_flextrain`` plans the three configurations of the FlexTrain slides
 on a device description: a worker there is one node of eight GPUs that holds one pipeline
 rank's context-parallel group (CP = 8), and experts are spread over EP GPUs of each stage.
 """

@@ -9,7 +9,7 @@ Durations and GPU counts come from one of two models:
 
 - synthetic: exponential durations with the given mean, and 1, 2 or 4 GPUs with
   probabilities 0.5, 0.3 and 0.2 (about the share of small jobs in the traces below);
-- a trace (``--trace``, e.g. ``../shared/traces/elasticflow-itp/cluster01.csv``, columns
+- a trace (``--trace``, e.g. ``traces/elasticflow-itp/cluster01.csv``, columns
   ``job_id, submission_time, duration, num_gpu``): a row drawn at random per arrival, its
   duration divided by ``time_scale`` (trace seconds per demo second; 400 turns the traces'
   median job of about 2 h into about 20 s) and its GPUs capped to a node's.

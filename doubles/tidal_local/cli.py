@@ -60,7 +60,7 @@ def _cluster_options(f):
                      help="Mean seconds a non-elastic job holds its GPUs (exponential)."),
         click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      help="Draw durations and GPU counts from this trace CSV instead, e.g. "
-                          "../shared/traces/elasticflow-itp/cluster01.csv."),
+                          "traces/elasticflow-itp/cluster01.csv."),
         click.option("--time-scale", type=click.FloatRange(min=1), default=400.0,
                      show_default=True, help="Trace seconds per second here."),
         click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,

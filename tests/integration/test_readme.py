@@ -9,7 +9,7 @@ the README comes with its check here.
 Run for real, from the repository root, with the virtual environment's bin/ first on the PATH
 (what ``. .venv/bin/activate`` does):
 
-- ``tidal plan ...``, ``tidal run ...`` and ``tidal sim ...`` (on the trace under ../shared,
+- ``tidal plan ...``, ``tidal run ...`` and ``tidal sim ...`` (on a trace under traces/,
   as next to a fresh clone): each exits 0, and every output line the README shows under it
   comes out, in order (``...`` skips lines; seconds, milliseconds, tokens/s, percentages and
   the parameter digest are masked: they change from run to run and machine to machine);
@@ -30,7 +30,7 @@ Checked otherwise, being minutes long:
 
 And: the README stays a short tour (at most 200 lines) that links every page under docs/;
 relative links (anchors included) resolve from their page; every repository path and
-``file::test`` quoted in code resolves from the root (../shared from its parent); every
+``file::test`` quoted in code resolves from the root; every
 ``tidal_*`` module and ``*.py`` file named exists; the upper bounds docs/agent.md documents are
 the CRD's.
 """
@@ -295,8 +295,14 @@ def _anchors(page: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
+def test_no_page_reaches_outside_the_repository(page):
+    """A user's clone stands alone: nothing beside it (a ``shared/`` folder) is linked or used."""
+    assert "../shared" not in page.read_text(), f"{page.name} points outside the repository"
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_every_relative_link_resolves(page):
-    """Relative to the page, as GitHub resolves them; ../shared/ is next to a fresh clone."""
+    """Relative to the page, as GitHub resolves them."""
     text = _outside_fences(page.read_text())
     links = re.findall(r"\]\(([^)\s]+)\)", text)
     assert links or page.name != "README.md"
@@ -341,12 +347,11 @@ def _repository_tops() -> set[str]:
 
 
 def repository_paths(text: str) -> list[str]:
-    """Words that name a file or folder of the repository (or of ../shared): their first part
-    is a top-level entry of the repository, a package under a source root (``tidal_x/``), or
-    ../shared."""
+    """Words that name a file or folder of the repository: their first part
+    is a top-level entry of the repository or a package under a source root (``tidal_x/``)."""
     tops = _repository_tops()
     return sorted(w for w in _words(text) if "/" in w and (
-        w.split("/")[0] in tops or w.startswith("tidal_") or w.startswith("../shared/")))
+        w.split("/")[0] in tops or w.startswith("tidal_")))
 
 
 def _resolves(word: str) -> bool:
@@ -362,8 +367,8 @@ def _resolves(word: str) -> bool:
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_every_repository_path_resolves_from_the_root(page):
-    """Paths quoted in code: from the repository root, where the commands run (../shared from
-    its parent, as for a clone next to shared/). ``file::test`` names a test that must exist;
+    """Paths quoted in code: from the repository root, where the commands run.
+    ``file::test`` names a test that must exist;
     ``<placeholder>``, ``*`` and ``{a,b}`` match what they stand for."""
     missing = [w for w in repository_paths(page.read_text()) if not _resolves(w)]
     assert not missing, f"{page.name} quotes paths that do not exist: {missing}"
