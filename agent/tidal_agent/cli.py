@@ -294,12 +294,12 @@ def _run_devices(device: str, transport: str, workers: int) -> Devices:
 
 
 def _plan_device(devices: Devices) -> str:
-    """What ``--plan-device`` defaults to: the description of what the workers compute on."""
+    """What ``--plan-device`` defaults to (torch only where the workers compute on a GPU)."""
     if devices.device == "cpu":
         return "cpu"
-    from tidal_agent.devices import gpu_plan_device
+    from tidal_agent.devices import plan_device
 
-    return gpu_plan_device()
+    return plan_device(devices.device)
 
 
 def _stop_worker_server() -> None:

@@ -129,9 +129,12 @@ def prepare_worker(transport: str, gpu: int | None, *, strict: bool,
                         determinism=determinism)
 
 
-def gpu_plan_device() -> str:
-    """The built-in description of this process's first GPU, for the modeling-based predictor:
-    by its name (h100, h200); h100, with a warning, for a GPU none describes."""
+def plan_device(device: str) -> str:
+    """The built-in description of what workers compute on, for the modeling-based predictor
+    (``--plan-device``'s default): cpu, or this process's first GPU by its name (h100, h200;
+    h100, with a warning, for a GPU none describes)."""
+    if device == "cpu":
+        return "cpu"
     name = torch.cuda.get_device_name(0)
     found = gpu_description(name)
     if found is None:

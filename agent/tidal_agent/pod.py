@@ -27,7 +27,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tidal_agent.devices import bind_gpu, gpu_plan_device, prepare_worker, visible_gpus
+from tidal_agent.devices import bind_gpu, prepare_worker, visible_gpus
+from tidal_agent.devices import plan_device as default_plan_device  # _run has a plan_device
 from tidal_agent.events import Profiled
 from tidal_agent.generations import ControlledGenerations
 from tidal_agent.link import ControlError, ControlLink
@@ -171,8 +172,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
                             prefix=f"{identity.job}/", timeout_s=timeout_s, transport=transport)
     report = AgentReport(link if leading else None, metrics=metrics,
                          tokens_per_step=spec.training.global_batch_size * spec.model.seq_len)
-    device = load_device(plan_device or (
-        "cpu" if where.device.type == "cpu" else gpu_plan_device()))
+    device = load_device(plan_device or default_plan_device(where.device.type))
     planner = LayoutPlanner(job, device)
 
     def choose(workers: int) -> tuple[Layout, float | None]:

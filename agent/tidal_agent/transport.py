@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-TRANSPORTS = ("gloo", "nccl", "host", "nccl-model")
+from tidal_plan.gpus import TRANSPORTS
 
 
 class TransportDeadlock(RuntimeError):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from tidal_agent.measure import synchronize
 from tidal_agent.transport import P2P, Posted, Transport, build_transport
+from tidal_plan.gpus import compute_device
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,11 +166,11 @@ def abort_worlds() -> int:
     return len(worlds)
 
 
-def compute_device(transport: str) -> torch.device:
-    """The compute device of a rank on ``transport``: its CUDA device (bound before) for
-    nccl and host, else the CPU. Host transport without CUDA computes on the CPU (its staging
-    is then a plain copy: tests run it so)."""
-    if transport in ("nccl", "host") and torch.cuda.is_available():
+def _compute_device(transport: str) -> torch.device:
+    """The compute device of a rank on ``transport`` (tidal_plan.gpus): its CUDA device,
+    bound before, or the CPU. Host transport without CUDA computes on the CPU (its staging is
+    then a plain copy: tests run it so)."""
+    if compute_device(transport) == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -194,7 +195,7 @@ def build_world(
     rank, size = members.index(me), len(members)
     transport = build_transport(rendezvous.transport, store=prefixed, rank=rank, size=size,
                                 timeout_s=rendezvous.timeout_s,
-                                device=compute_device(rendezvous.transport))
+                                device=_compute_device(rendezvous.transport))
     cpu = (dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/{name}.cpu/", store), rank,
                                  size, timedelta(seconds=rendezvous.timeout_s))
            if cpu_group else None)

@@ -10,7 +10,7 @@ import torch.utils.deterministic
 
 from tests.commands import TINY
 from tidal_agent.cli import load_job
-from tidal_agent.devices import bind_gpu, gpu_plan_device, set_determinism, strict_settings
+from tidal_agent.devices import bind_gpu, plan_device, set_determinism, strict_settings
 from tidal_agent.pod import pod_transport
 from tidal_plan.gpus import DeviceChoiceError, Devices, choose_devices
 
@@ -165,7 +165,7 @@ def test_the_cpu_and_relaxed_mode_fix_the_threads_only(process_settings, device,
 def test_an_unknown_gpu_is_planned_as_an_h100_with_a_warning(monkeypatch, caplog):
     # get_device_name needs a GPU: the one thing here that stands in for one.
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H200")
-    assert gpu_plan_device() == "h200"
+    assert plan_device("cuda") == "h200"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "Tesla T4")
-    assert gpu_plan_device() == "h100"
+    assert plan_device("cuda") == "h100"
     assert "no device description for GPU 'Tesla T4': planning with h100's" in caplog.text
