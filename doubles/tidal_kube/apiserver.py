@@ -28,10 +28,12 @@ apiVersion rewritten), and the controllers of a cluster (see :mod:`tidal_kube.sc
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import re
 import traceback
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import aiohttp.web
@@ -62,11 +64,18 @@ class Emulator(kmock.KubernetesScaffold):
     Its methods ``create``, ``get`` and ``list`` are for code on the emulator's event loop
     (tests, the local cluster); clients elsewhere use HTTP. ``gc_delay`` is how long the
     background garbage collector waits after an owner is deleted; ``history`` is how many
-    changes per resource a watch can resume from.
+    changes per resource a watch can resume from, and ``requests`` holds the last ``history``
+    requests (who asked what, for tests that audit it). kmock's DSL sees only the last
+    ``dsl_requests``: it matches each request against each reaction by scanning its own log,
+    so a long one makes every request slow (quadratic over a test); a fault injected with a
+    slice (``[:N]``) or a count sees only those.
     """
 
     gc_delay: float = 0.0
     history: int = 10_000
+    dsl_requests: int = 16
+    requests: collections.deque[kmock.Request] = attrs.field(init=False)
+    _ids: Iterator[int] = attrs.field(factory=itertools.count, init=False)
     failures: list[BaseException] = attrs.field(factory=list, init=False)
     storage: Storage = attrs.field(init=False)
     _catalog: Catalog = attrs.field(init=False)
@@ -76,6 +85,7 @@ class Emulator(kmock.KubernetesScaffold):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.storage = Storage(self.history)
+        self.requests = collections.deque(maxlen=self.history)
         self._catalog = Catalog(self.resources)
         self._deletion = Deletion(self.storage, self._catalog, self.gc_delay)
         self._writes = Writes(self.storage, self._catalog, Admission(self.storage, self._catalog),
@@ -130,10 +140,11 @@ class Emulator(kmock.KubernetesScaffold):
         API error (404, 409, 422...) is an answer, not an error of the emulator."""
         await raw_request.read()
         try:
-            request = await _parse_request(raw_request, len(self._requests))
+            request = await _parse_request(raw_request, next(self._ids))
+            self.requests.append(request)
             self._requests.append(request)
-            if len(self._requests) > 2 * self.history:  # a long-lived server keeps the recent
-                del self._requests[: self.history]
+            if len(self._requests) > 2 * self.dsl_requests:
+                del self._requests[: -self.dsl_requests]
             return await self._handle(request)
         except rendering.StreamingError as exc:  # a watch has started: end it with an ERROR
             raw_response = exc.args[0]

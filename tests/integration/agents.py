@@ -157,25 +157,34 @@ class Observer:
                  every_s: float = 0.05):
         self.api, self.name, self.history, self.every_s = api, name, history, every_s
         self.seen: list[dict[str, Any]] = []
+        self.error: BaseException | None = None  # what stopped the thread, if anything
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self):
-        while not self._stop.is_set():
-            now = status(self.api, self.name)
-            if not self.seen or now != self.seen[-1]:
-                self.seen = [*self.seen, now] if self.history else [now]
-            time.sleep(self.every_s)
+        try:
+            while not self._stop.is_set():
+                now = status(self.api, self.name)
+                if not self.seen or now != self.seen[-1]:
+                    self.seen = [*self.seen, now] if self.history else [now]
+                time.sleep(self.every_s)
+        except BaseException as err:  # noqa: BLE001 - raised in the caller's thread by until
+            self.error = err
 
     @property
     def latest(self) -> dict[str, Any]:
         return self.seen[-1] if self.seen else {}
 
     def until(self, check, timeout_s: float, what: str):
-        """The first status seen that passes ``check``."""
-        return until(lambda: self.seen and check(self.seen[-1]) and self.seen[-1], timeout_s,
-                     what, every_s=self.every_s / 2)
+        """The first status seen that passes ``check``; an error that stopped the observer
+        is raised at once, not waited out as a status that never changes."""
+        def seen():
+            if self.error is not None:
+                raise AssertionError(f"the observer stopped waiting for {what}") from self.error
+            return self.seen and check(self.seen[-1]) and self.seen[-1]
+
+        return until(seen, timeout_s, what, every_s=self.every_s / 2)
 
     def stop(self):
         self._stop.set()

@@ -329,6 +329,9 @@ class FaultSoak:
                 self._replace(remaining=config.faults - index - 1)
             self._whole()
             self._finish()
+        except BaseException:
+            self._print_logs()
+            raise
         finally:
             self.observer.stop()
             self.pods.stop()
@@ -339,6 +342,14 @@ class FaultSoak:
         return SoakRun(config=config, doc=self.doc, report=report, static=static,
                        faults=self.faults, grows_s=self.grows_s,
                        wall_s=time.monotonic() - self._began)
+
+    def _print_logs(self, lines: int = 15) -> None:
+        """The last lines of every pod's log, for a failed soak's report (pytest shows what a
+        failed test printed)."""
+        for pod in self.pods.procs:
+            tail = self.pods.log(pod).splitlines()[-lines:]
+            print(f"---- {pod} ({'killed' if pod in self.killed else 'running'}), the last "
+                  f"{len(tail)} lines of its log ----", *tail, sep="\n")
 
     # ---- the job's pods ------------------------------------------------------------------------
 

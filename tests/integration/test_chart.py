@@ -329,7 +329,7 @@ def rbac_request(request: Any) -> tuple[str, str, str] | None:
 
 
 def used_by(cluster: EmulatorThread, token: str) -> set[tuple[str, str, str]]:
-    requests = cluster.call(lambda: list(cluster.emulator))
+    requests = cluster.call(lambda: list(cluster.emulator.requests))
     return {found for r in requests if r.headers.get("Authorization") == f"Bearer {token}"
             and (found := rbac_request(r))}
 

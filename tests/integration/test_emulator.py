@@ -482,6 +482,22 @@ async def test_faults_can_be_injected_with_the_kmock_dsl(served, api):
     await api.get(f"{PODS}/p1")
 
 
+@pytest.mark.asyncio
+async def test_a_fault_is_injected_after_many_requests_and_every_request_is_recorded(served, api):
+    """kmock's DSL sees only the latest requests (it scans them for each one), while the
+    emulator's ``requests`` keep them all, with their tokens, for tests that audit them."""
+    emulator = served.emulator
+    await api.create(PODS, pod())
+    before = len(emulator.requests)
+    for _ in range(5 * emulator.dsl_requests):
+        await api.get(f"{PODS}/p1")
+    emulator["get", kmock.resource("v1/pods")][lambda request: "p1" in request.url.path] << 503
+    async with api.session.get(f"{PODS}/p1") as rsp:
+        assert rsp.status == 503
+    assert len(emulator.requests) == before + 5 * emulator.dsl_requests + 1
+    assert {r.method.value for r in list(emulator.requests)[before:]} == {"GET"}
+
+
 # -- running it, and real clients -----------------------------------------------------------------
 
 
