@@ -44,8 +44,11 @@ from tidal_plan.gpus import Devices
 _SPAWNING = threading.Lock()  # held while a launch sets the environment its workers inherit
 
 
-_TRANSFORMERS = ("transformers.modeling_utils", "transformers.masking_utils",
-                 "transformers.models.auto.modeling_auto")
+# What the server imports (tidal_local.processes.AGENT_PRELOAD names the same: the one
+# server of a process serves its workers and the local cluster's pods, whichever starts it).
+PRELOAD = ("tidal_agent.pod", "tidal_agent.worker", "torch._dynamo",
+           "transformers.modeling_utils", "transformers.masking_utils",
+           "transformers.models.auto.modeling_auto")
 
 
 def worker_processes(fresh: bool = False) -> mp.context.BaseContext:
@@ -61,7 +64,7 @@ def worker_processes(fresh: bool = False) -> mp.context.BaseContext:
     if fresh:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tidal_agent.worker", "torch._dynamo", *_TRANSFORMERS])
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 

@@ -105,6 +105,7 @@ def up(nodes, gpus_per_node, port, kubeconfig, workdir, rate_per_hour, mean_dura
     """
     from tidal_local.arrivals import ArrivalConfig
     from tidal_local.cluster import ClusterConfig, ClusterError, LocalCluster
+    from tidal_local.processes import stop_fork_server
 
     _sigterm_as_interrupt()
     _logging(workdir / "cluster.log")
@@ -128,6 +129,7 @@ def up(nodes, gpus_per_node, port, kubeconfig, workdir, rate_per_hour, mean_dura
         raise click.ClickException(str(err)) from None
     finally:
         cluster.stop()
+        stop_fork_server()
 
 
 def _serve(cluster, show: bool) -> None:
@@ -173,6 +175,7 @@ def demo(minutes, steps, job_file, report, plot, burst_after_s, nodes, gpus_per_
     from tidal_local.binaries import BinaryError
     from tidal_local.cluster import ClusterError
     from tidal_local.demo import DemoConfig, DemoError, run_demo
+    from tidal_local.processes import stop_fork_server
 
     _sigterm_as_interrupt()
     _logging(workdir / "cluster.log")
@@ -190,5 +193,7 @@ def demo(minutes, steps, job_file, report, plot, burst_after_s, nodes, gpus_per_
         sys.exit(130)
     except (DemoError, ClusterError, BinaryError, ValueError) as err:
         raise click.ClickException(str(err)) from None
+    finally:
+        stop_fork_server()
     if not result["finished"]:
         raise click.ClickException(f"the job did not finish within the time; see {workdir}/logs")

@@ -17,12 +17,19 @@ The pod spec itself stays as the operator made it. Each process leads its own pr
 (a terminal's Ctrl-C reaches only ``tidal local``, which then stops the pods in order) and is
 killed by the kernel if the thread that started it dies. Stopping a pod is a SIGTERM to its
 group, then a SIGKILL once the pod's grace period is over.
+
+A pod whose command is the image's ``tidal`` is a fork (:func:`fork`) of one server process
+that has imported the agent, torch included, as the launcher's training workers are: a fresh
+interpreter spends about 5 s of CPU on those imports before it trains, on cores the other pods
+share. Here, ``tidal local`` itself imports no torch; the server does, once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -46,6 +53,7 @@ Obj = dict[str, Any]
 RUN_ENV = "TIDAL_LOCAL_RUN"
 FAILED_TO_START = 127  # the exit code of a pod whose process could not be started
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 # Loaded here, not in the forked child: dlopen there could wait for a lock another thread held.
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform == "linux" else None
 
@@ -67,7 +75,90 @@ def spawn(args: list[str], *, env: dict[str, str], log_path: Path,
                                 preexec_fn=die_with_parent)
 
 
-def terminate(proc: subprocess.Popen, grace_s: float) -> int:
+# What the fork server imports for a pod: tidal_agent.runner.PRELOAD (not imported: no torch
+# here), as one server per process serves the runner's workers and the pods, whichever starts it.
+AGENT_PRELOAD = ("tidal_agent.pod", "tidal_agent.worker", "torch._dynamo",
+                 "transformers.modeling_utils", "transformers.masking_utils",
+                 "transformers.models.auto.modeling_auto")
+
+
+class Forked:
+    """A process forked by :func:`fork`, with the part of ``subprocess.Popen`` used here."""
+
+    def __init__(self, process: mp.process.BaseProcess, args: list[str]) -> None:
+        self._process, self.args = process, args
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork(main: str, args: list[str], *, env: dict[str, str], log_path: Path,
+         cwd: Path | None = None, preload: tuple[str, ...] = AGENT_PRELOAD) -> Forked:
+    """``spawn`` of ``python -m MAIN ARGS`` (``main``: a module with a click ``main``), as a
+    fork of a server process that has imported ``preload``; the child then takes ``env``
+    (read at import by none of those) as its whole environment."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    # daemon: terminated, not waited for, should the starting process exit with it running
+    process = ctx.Process(target=_forked_main, args=(main, args, env, str(log_path), cwd),
+                          name=f"{main} {' '.join(args[:1])}", daemon=True)
+    process.start()
+    return Forked(process, [main, *args])
+
+
+def _forked_main(main: str, args: list[str], env: dict[str, str], log_path: str,
+                 cwd: Path | None) -> None:
+    """In the forked child: what ``spawn`` gives a process, then ``main``'s command line."""
+    os.setsid()
+    die_with_parent()  # the fork server: it ends with the process that started it
+    if _LIBC is not None:  # its name in ps and /proc/PID/comm (its command line is the server's)
+        _LIBC.prctl(_PR_SET_NAME, f"{main.split('.')[0].split('_')[0]} {args[0]}"[:15].encode())
+    out = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = [main, *args]
+    importlib.import_module(main).main(args=args, prog_name=main.split(".")[0])
+
+
+def stop_fork_server() -> None:
+    """Stop the server pods are forked from, and any fork still running with it (each dies
+    with it), before this process exits: on its own it goes a moment after."""
+    from multiprocessing import forkserver
+
+    try:
+        forkserver._forkserver._stop()  # private, and the only way to wait for it
+    except FileNotFoundError:  # its socket's directory went first: the server is gone anyway
+        pass
+
+
+def terminate(proc: subprocess.Popen | Forked, grace_s: float) -> int:
     """SIGTERM the process group of ``proc``, SIGKILL it after ``grace_s``; the exit code."""
     _signal_group(proc, signal.SIGTERM)
     try:
@@ -77,7 +168,7 @@ def terminate(proc: subprocess.Popen, grace_s: float) -> int:
         return proc.wait()
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | Forked, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -98,7 +189,7 @@ def free_port(taken: Collection[int] = ()) -> int:
 @dataclass(slots=True)
 class _Running:
     pod: str  # namespace/name
-    proc: subprocess.Popen | None  # None: it could not be started
+    proc: subprocess.Popen | Forked | None  # None: it could not be started
     grace_s: float = 30.0
     kill_at: float | None = None  # set once a SIGTERM went out
 
@@ -112,7 +203,7 @@ class AgentProcesses:
         self.workdir = workdir
         self.run_id = run_id
         self.publish_interval_s = publish_interval_s
-        self.tidal = tidal or Path(sys.executable).with_name("tidal")
+        self.tidal = tidal  # None: forks of this installation's
         self._procs: dict[str, _Running] = {}  # by pod uid
         self._ports: dict[tuple[str, str], int] = {}  # (namespace, job) -> rendezvous port
         self._lock = threading.Lock()
@@ -137,8 +228,8 @@ class AgentProcesses:
             key = f"{meta['namespace']}/{meta['name']}"
             grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
             try:
-                proc = spawn(self._command(pod), env=self._environment(pod),
-                             log_path=self.log_path(meta["namespace"], meta["name"]))
+                proc = self._start(self._command(pod), env=self._environment(pod),
+                                   log_path=self.log_path(meta["namespace"], meta["name"]))
             except (OSError, ValueError) as err:
                 log.error("%s: cannot start: %s", key, err)
                 proc = None
@@ -207,12 +298,20 @@ class AgentProcesses:
             return True
         return False
 
+    def _start(self, command: list[str], *, env: dict[str, str],
+               log_path: Path) -> subprocess.Popen | Forked:
+        """The image's ``tidal``, this installation's: forked (see the module's docstring),
+        or run from ``tidal`` where the runtime was given another one."""
+        if command[0] != "tidal":
+            return spawn(command, env=env, log_path=log_path)
+        if self.tidal is None:
+            return fork("tidal_cli", command[1:], env=env, log_path=log_path)
+        return spawn([str(self.tidal), *command[1:]], env=env, log_path=log_path)
+
     def _command(self, pod: Obj) -> list[str]:
         container = pod["spec"]["containers"][0]
         command = [*(container.get("command") or ["tidal", "agent"]),
                    *(container.get("args") or [])]
-        if command[0] == "tidal":  # the image's entry point: this installation's
-            command[0] = str(self.tidal)
         meta = pod["metadata"]
         # No profile, the modeling-based table: these "GPUs" are processes on a few cores,
         # which the job's own profile would see (more workers, no faster). gloo: they are

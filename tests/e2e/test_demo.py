@@ -40,7 +40,9 @@ def survivors(run_id: str) -> list[str]:
         try:
             if f"{RUN_ENV}={run_id}".encode() in environ.read_bytes().split(b"\0"):
                 cmdline = (environ.parent / "cmdline").read_bytes().replace(b"\0", b" ")
-                found.append(f"{environ.parent.name}: {cmdline.decode(errors='replace')}")
+                comm = (environ.parent / "comm").read_text().strip()  # a forked pod's name
+                found.append(f"{environ.parent.name} ({comm}): "
+                             f"{cmdline.decode(errors='replace')}")
         except OSError:
             continue  # gone meanwhile, or not ours to read
     return found
@@ -214,7 +216,7 @@ def test_local_up_stops_everything_it_started(tmp_path, sig):
         else:
             raise AssertionError(f"pods did not come up: {running}")
         processes = survivors(run_id)
-        agents = [p for p in processes if " agent " in p]
+        agents = [p for p in processes if "(tidal agent)" in p]
         assert len(agents) == 2 and any("tidal-operator" in p for p in processes), processes
         up.send_signal(sig)
         _, err = up.communicate(timeout=60)

@@ -6,9 +6,11 @@ environment (:class:`Pods`), writes ``status.target`` through the status subreso
 :func:`assert_bits_of_a_static_run` holds the leader's report against a run that never changed.
 Used by tests/integration/test_control.py and the fault soak (tests/integration/soak.py).
 
-The agents run this checkout's code whatever started the caller: ``python -m tidal_agent.cli``
-with the checkout's source roots on ``PYTHONPATH`` (the ``tidal`` script of a virtual
-environment runs the checkout it was installed from, which need not be this one).
+The agents run this checkout's code whatever started the caller: forks of the caller's fork
+server (:func:`tidal_local.processes.fork`, as ``tidal local``'s pods are), which has imported
+the checkout's agent; a fresh process of its own (:func:`agent_command`) runs with the
+checkout's source roots on ``PYTHONPATH`` (the ``tidal`` script of a virtual environment runs
+the checkout it was installed from, which need not be this one).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from lightkube.types import PatchType
 from tidal_agent.link import ElasticTrainingJobResource as ETJ
 from tidal_api import keys
 from tidal_kube.serving import EmulatorThread, load_manifests
+from tidal_local.processes import Forked, fork
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ("api", "agent", "operator", "doubles")  # pyproject.toml's pythonpath
@@ -104,7 +107,7 @@ class Pods:
         self.url, self.logs, self.job, self.report = url, logs, job, report
         self.timeout_s, self.args = timeout_s, args
         self.port = free_port()
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Forked] = {}
 
     def name(self, index: int) -> str:
         return f"{self.job}-worker-{index}"
@@ -114,14 +117,14 @@ class Pods:
         env = checkout_env({**os.environ, keys.ENV_JOB: self.job, keys.ENV_NAMESPACE: NAMESPACE,
                             keys.ENV_POD: pod, keys.ENV_RENDEZVOUS_HOST: "127.0.0.1",
                             keys.ENV_RENDEZVOUS_PORT: str(self.port), "OMP_NUM_THREADS": "1"})
-        args = agent_command("--kubeconfig", self.url, "--publish-interval", "0.2",
-                             "--timeout", str(self.timeout_s), *self.args)
+        args = ["agent", "--kubeconfig", self.url, "--publish-interval", "0.2",
+                "--timeout", str(self.timeout_s), *self.args]
         if index == 0 and self.report:
             args += ["--report", str(self.report)]
         args += extra
-        with open(self.log_path(pod), "w") as log:
-            self.procs[pod] = subprocess.Popen(args, env=env, stdout=log,
-                                               stderr=subprocess.STDOUT, cwd=ROOT)
+        self.log_path(pod).unlink(missing_ok=True)
+        self.procs[pod] = fork("tidal_agent.cli", args, env=env, log_path=self.log_path(pod),
+                               cwd=ROOT)
         return pod
 
     def log_path(self, pod: str) -> Path:
