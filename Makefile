@@ -27,8 +27,10 @@ DEMO_JOB ?= examples/demo.yaml
 demo: $(STAMP)
 	$(BIN)/tidal local demo --job $(DEMO_JOB) --minutes 3 --report runs/demo.json
 
+# Both cores: most tests are processes that wait on each other (pytest-xdist, tests handed out
+# as workers free up). `.venv/bin/python -m pytest tests/...` runs a part on one.
 test: $(STAMP) prometheus
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 # The Prometheus server for tests/integration/test_dashboard.py, when it is missing: Debian's
 # package (PyPI has none). Checked again by `make test`. Where apt-get cannot install it, say

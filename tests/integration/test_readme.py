@@ -73,7 +73,7 @@ EXERCISED_BY = {
                        ("tests/integration/test_chart.py",
                         "test_helm_installs_as_documented_over_what_tidal_local_up_created")],
 }
-MAKE_RECIPES = {"test": ".venv/bin/python -m pytest",
+MAKE_RECIPES = {"test": ".venv/bin/python -m pytest -n 2 --dist worksteal",
                 "demo": ".venv/bin/tidal local demo --job examples/demo.yaml --minutes 3 "
                         "--report runs/demo.json"}
 
