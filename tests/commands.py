@@ -5,11 +5,15 @@ line without a fresh interpreter and worker server per run (the tests of what a 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from click.testing import CliRunner
+
+from tidal_local.processes import fork
 
 ROOT = Path(__file__).resolve().parents[1]
 TIDAL = Path(sys.executable).with_name("tidal")
@@ -17,9 +21,22 @@ TINY = ROOT / "examples" / "tiny.yaml"
 
 
 def tidal(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``tidal ARGS`` as a process from the repository root."""
-    return subprocess.run([str(TIDAL), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    """``tidal ARGS`` as a process from the repository root: a fork of this process's warmed
+    fork server (:func:`tidal_local.processes.fork`, torch imported), not a fresh
+    interpreter, with its own standard output and error."""
+    argv = [str(a) for a in args]
+    with tempfile.TemporaryDirectory(prefix="tidal-command-") as scratch:
+        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        proc = fork("tidal_cli", argv, env=dict(os.environ), log_path=out, stderr_path=err,
+                    cwd=ROOT, daemon=False)
+        try:
+            code = proc.wait(timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return subprocess.CompletedProcess(["tidal", *argv], code, out.read_text(),
+                                           err.read_text())
 
 
 def tidal_here(*args) -> subprocess.CompletedProcess:

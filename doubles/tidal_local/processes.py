@@ -111,32 +111,40 @@ class Forked:
 
 
 def fork(main: str, args: list[str], *, env: dict[str, str], log_path: Path,
-         cwd: Path | None = None, preload: tuple[str, ...] = AGENT_PRELOAD) -> Forked:
-    """``spawn`` of ``python -m MAIN ARGS`` (``main``: a module with a click ``main``), as a
+         cwd: Path | None = None, stderr_path: Path | None = None, daemon: bool = True,
+         preload: tuple[str, ...] = AGENT_PRELOAD) -> Forked:
+    """``spawn`` of ``python -m MAIN ARGS`` (``main``: a module with the click ``main`` of a
+    ``tidal`` command: ``tidal_cli``, or ``tidal_agent.cli`` for a checkout's agent), as a
     fork of a server process that has imported ``preload``; the child then takes ``env``
-    (read at import by none of those) as its whole environment."""
+    (read at import by none of those) as its whole environment. Its standard error goes to
+    ``stderr_path`` where given. ``daemon``: terminated rather than waited for should this
+    process exit first, and itself unable to start processes (``tidal run``'s workers)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
-    # daemon: terminated, not waited for, should the starting process exit with it running
-    process = ctx.Process(target=_forked_main, args=(main, args, env, str(log_path), cwd),
-                          name=f"{main} {' '.join(args[:1])}", daemon=True)
+    process = ctx.Process(target=_forked_main, name=f"{main} {' '.join(args[:1])}",
+                          args=(main, args, env, str(log_path), stderr_path and str(stderr_path),
+                                cwd), daemon=daemon)
     process.start()
     return Forked(process, [main, *args])
 
 
 def _forked_main(main: str, args: list[str], env: dict[str, str], log_path: str,
-                 cwd: Path | None) -> None:
+                 stderr_path: str | None, cwd: Path | None) -> None:
     """In the forked child: what ``spawn`` gives a process, then ``main``'s command line."""
     os.setsid()
     die_with_parent()  # the fork server: it ends with the process that started it
     if _LIBC is not None:  # its name in ps and /proc/PID/comm (its command line is the server's)
-        _LIBC.prctl(_PR_SET_NAME, f"{main.split('.')[0].split('_')[0]} {args[0]}"[:15].encode())
-    out = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        _LIBC.prctl(_PR_SET_NAME, f"tidal {args[0]}"[:15].encode())
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    out = os.open(log_path, flags, 0o644)
+    err = os.open(stderr_path, flags, 0o644) if stderr_path else out
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(out, 1)
-    os.dup2(out, 2)
+    os.dup2(err, 2)
+    if err != out:
+        os.close(err)
     os.close(out)
     os.close(devnull)
     os.environ.clear()
@@ -144,7 +152,7 @@ def _forked_main(main: str, args: list[str], env: dict[str, str], log_path: str,
     if cwd is not None:
         os.chdir(cwd)
     sys.argv = [main, *args]
-    importlib.import_module(main).main(args=args, prog_name=main.split(".")[0])
+    importlib.import_module(main).main(args=args, prog_name="tidal")
 
 
 def stop_fork_server() -> None:
