@@ -1,8 +1,17 @@
-"""The benchmarks still run (on a toy model; their figures are for the closing notes)."""
+"""The benchmarks still run (on a toy model; their figures are for the closing notes).
 
+Most run in the test's process (:func:`bench`): their workers come from its warm fork server,
+not from a fresh interpreter and server per bench. The GPU bench compiles (its compile
+workers and caches are not for a test process to keep) and the simulator's needs no torch:
+those run as processes.
+"""
+
+import contextlib
 import importlib.util
+import io
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +22,25 @@ from tidal_agent.sharing import sharing_copies
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+
+
+def bench(script: str, *args: str) -> dict:
+    """``python bench/SCRIPT ARGS`` in this process, a fresh import of the script as
+    ``bench.<name>`` (what its worker processes import their functions from): the JSON it
+    prints. Its environment changes are undone."""
+    name = f"bench.{Path(script).stem}"
+    out, argv, environ = io.StringIO(), sys.argv, dict(os.environ)
+    try:
+        sys.argv = [str(ROOT / "bench" / script), *args]
+        sys.modules.pop(name, None)
+        module = importlib.import_module(name)
+        with contextlib.redirect_stdout(out):
+            module.main()
+    finally:
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(environ)
+    return json.loads(out.getvalue())
 
 
 @pytest.mark.parametrize(
@@ -29,32 +57,21 @@ pytestmark = pytest.mark.slow
     ],
 )
 def test_bench_runs(script, args, keys):
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", *args],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = bench(script, "--tiny", *args)
     assert keys <= report.keys()
     assert report["ratio"] > 0
 
 
 def test_straggler_bench_runs():
-    args = ["--steps", "8", "--onset", "2", "--rounds", "1", "--monitor-steps", "3"]
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "straggler.py"), "--tiny",
-                             *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = bench("straggler.py", "--tiny", "--steps", "8", "--onset", "2", "--rounds", "1",
+                   "--monitor-steps", "3")
     assert report["bits_equal"] is True  # re-planned or not, the same bits
     assert report["monitoring"]["ratio"] > 0 and "throughput_ratio" in report
 
 
 def test_predictor_bench_runs(tmp_path):
     out = tmp_path / "predictor.json"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "predictor.py"), "--tiny", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = bench("predictor.py", "--tiny", "--json", str(out))
     assert json.loads(out.read_text()) == report
     for key in ("median_abs_error", "max_abs_error", "choice_gap"):
         assert math.isfinite(report[key]) and report[key] >= 0
@@ -102,11 +119,7 @@ def test_sim_bench_runs_with_either_cluster_size(tmp_path):
 
 
 def test_decide_bench_reports_each_size_against_the_target():
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "decide.py"), "--tiny",
-                             "--repeat", "2"], capture_output=True, text=True, timeout=300,
-                            cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = bench("decide.py", "--tiny", "--repeat", "2")
     (tiny,) = report["sizes"].values()
     assert tiny["size"]["nodes"] == 12 and tiny["target_ms"] == report["target_ms"] == 50.0
     assert set(tiny["scenarios"]) == {"scale_up", "scale_down"}
