@@ -1,13 +1,18 @@
 """Distributed checkpoints that reload into any layout.
 
-A checkpoint is a torch.distributed.checkpoint (DCP) directory keyed by global names: every
-parameter (``blocks.3.mlp.fc1.weight``) and its AdamW state (``…/exp_avg``, ``…/exp_avg_sq``,
-``…/step``). Each rank writes the entries of the units it holds, and on load asks for the
-entries of the units it holds in the new layout, so a job saved with 2 workers resumes with 3.
-Nothing else needs saving: data, learning rate and dropout are functions of the step.
+A checkpoint is a directory ``<root>/step-<N>`` of torch.distributed.checkpoint (DCP) parts,
+``rank-<r>``, one per rank with something to write, keyed by global names: every parameter
+(``blocks.3.mlp.fc1.weight``) and its AdamW state (``…/exp_avg``, ``…/exp_avg_sq``, ``…/step``).
+Each name is written once, by the first rank that holds it (data-parallel replicas and tied
+copies hold the same names); on load, each rank reads the names it holds in the new layout
+from whichever parts have them, so a job saved with 2 workers resumes with 3. Nothing else
+needs saving: data, learning rate and dropout are functions of the step.
 
-Directories are ``<root>/step-<N>``; a ``tidal.json`` written last by rank 0 marks one as
-complete, so a crash during a save never leaves a checkpoint that looks whole.
+The ranks agree through their world's own collectives, built with the world ahead of any
+switch's pause: no default process group is joined for a save, and a member lost before one
+fails the others' at once, by a closed connection. A ``tidal.json`` written last by rank 0
+marks a directory as complete, so a crash during a save never leaves a checkpoint that looks
+whole. A directory that is one DCP checkpoint (what earlier versions wrote) loads too.
 """
 
 from __future__ import annotations
@@ -16,18 +21,20 @@ import json
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
 from tidal_api.spec import ModelSpec
 
 from tidal_agent.model import global_parameters
+from tidal_agent.switch import state_shapes
 from tidal_agent.trainer import Trainer
-from tidal_agent.world import World, ensure_default_group
+from tidal_agent.world import World
 
 MARKER = "tidal.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -54,26 +61,68 @@ def latest(root: str | Path, *, at_most: int | None = None) -> tuple[int, Path] 
 def save(trainer: Trainer, root: str | Path, steps_done: int, layout_description: str) -> Path:
     """Collectively save this job's state after ``steps_done`` steps; every rank calls it."""
     return save_state(trainer.state_tensors(), trainer.world, root, steps_done,
-                      layout_description, trainer.num_params)
+                      layout_description, list(state_shapes(trainer.spec.model)),
+                      trainer.num_params)
 
 
 def save_state(state: Mapping[str, torch.Tensor], world: World, root: str | Path,
-               steps_done: int, layout_description: str, num_params: int) -> Path:
-    """:func:`save` of ``state`` (global names) by the ranks of ``world``, each with what it
-    holds. Where ranks hold the same name (data-parallel replicas), it is written once."""
+               steps_done: int, layout_description: str, names: Sequence[str],
+               num_params: int) -> Path:
+    """:func:`save` of ``state`` (global names, of the job's ``names`` in their order) by the
+    ranks of ``world``, each with what it holds; a name two ranks hold is written once."""
     target = step_dir(root, steps_done)
-    ensure_default_group(world)
-    if dist.get_rank() == 0 and target.exists():
+    index = {name: i for i, name in enumerate(names)}
+    if unknown := [name for name in state if name not in index]:
+        raise ValueError(f"state {unknown[:3]} is not among the job's {len(names)} names")
+    held = torch.zeros(len(names), dtype=torch.uint8)
+    held[[index[name] for name in state]] = 1
+    everyone = torch.empty(world.size * len(names), dtype=torch.uint8, device=world.device)
+    world.all_gather_into(everyone, held.to(world.device))
+    first = everyone.view(world.size, len(names)).cpu().argmax(dim=0)  # the first holder
+    mine = {name: tensor for name, tensor in state.items() if first[index[name]] == world.rank}
+    if world.rank == 0 and target.exists():
         shutil.rmtree(target)  # an incomplete earlier attempt at the same step
-    dist.barrier()
-    dcp.save(dict(state), checkpoint_id=target)
-    dist.barrier()
-    if dist.get_rank() == 0:
+    world.barrier()
+    if mine:
+        with _one_process():
+            dcp.save(mine, checkpoint_id=target / f"rank-{world.rank:05d}", no_dist=True)
+    world.barrier()
+    if world.rank == 0:
         meta = {"steps_done": steps_done, "layout": layout_description,
                 "num_params": num_params}
         (target / MARKER).write_text(json.dumps(meta) + "\n")
-    dist.barrier()
+    world.barrier()
     return target
+
+
+@contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP in this process alone (no process group): what is asked, so not worth a warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _parts(directory: Path) -> list[Path]:
+    """The DCP directories a checkpoint is made of."""
+    if (directory / ".metadata").is_file():  # one DCP checkpoint, as earlier versions wrote
+        return [directory]
+    return sorted(part for part in directory.glob("rank-*") if part.is_dir())
+
+
+def _read(state: Mapping[str, torch.Tensor], directory: Path) -> None:
+    """Fill ``state`` (global names) in place from the parts of the checkpoint ``directory``
+    that hold its names, in this process alone."""
+    missing = set(state)
+    for part in _parts(directory):
+        names = FileSystemReader(part).read_metadata().state_dict_metadata.keys()
+        if wanted := {name: state[name] for name in names if name in missing}:
+            with _one_process():
+                dcp.load(wanted, checkpoint_id=part, no_dist=True)
+            missing -= wanted.keys()
+    if missing:
+        raise ValueError(f"checkpoint {directory} lacks {len(missing)} of the state's names, "
+                         f"{sorted(missing)[:3]} among them")
 
 
 def _marker(directory: Path, num_params: int, verb: str) -> dict:
@@ -94,20 +143,17 @@ def load_parameters(model: ModelSpec, directory: str | Path) -> dict[str, torch.
     names = global_parameters(model)
     _marker(directory, len(names), "export it")
     state = {name: torch.empty(shape) for name, shape, _ in names}
-    with warnings.catch_warnings():  # DCP warns that it loads in one process: what is asked
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=directory, no_dist=True)
+    _read(state, directory)
     return state
 
 
 def load(trainer: Trainer, directory: str | Path) -> int:
-    """Load a checkpoint into this rank's share of the (possibly different) layout.
+    """Load a checkpoint into this rank's share of the (possibly different) layout; every
+    rank reads what it holds, with no other rank.
 
     Returns the number of steps done when it was saved.
     """
     directory = Path(directory)
     meta = _marker(directory, trainer.num_params, "resume")
-    state = trainer.state_tensors()
-    ensure_default_group(trainer.world)
-    dcp.load(state, checkpoint_id=directory)
+    _read(trainer.state_tensors(), directory)
     return int(meta["steps_done"])

@@ -54,4 +54,4 @@ def save_cut(cut: Cut, *, me: str, world: World, snapshots: PeerSnapshots,
     state = {name: view.view(shapes[name]) for copy in (own or {}, *kept.values())
              for name, view in copy.items()}
     return checkpoint.save_state(state, world, root, cut.step, cut.layout.describe(),
-                                 len(global_parameter_names(model)))
+                                 list(shapes), len(global_parameter_names(model)))

@@ -74,8 +74,7 @@ from tidal_agent.snapshot import Cut, PeerSnapshots, state_index
 from tidal_agent.stragglers import StragglerWatch
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
 from tidal_agent.trainer import Trainer, prepare_subgroups
-from tidal_agent.world import (Rendezvous, World, WorldBuilder, abort_worlds, build_world,
-                               drop_default_group, ensure_default_group)
+from tidal_agent.world import Rendezvous, World, WorldBuilder, abort_worlds, build_world
 from tidal_api import JobSpec, keys
 from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation
@@ -203,12 +202,6 @@ class _Worker:
         trainer = Trainer(spec=self.spec, layout=self.source.layout(gen), world=world,
                           device=self.device, clip_mode=self.opts.clip_mode,
                           initialise=initialise, kept=kept)
-        if self.opts.checkpoint_root:
-            # Checkpoints need the default process group. Joined here, with the world, where
-            # every member is; joined at the generation's first save instead, a member lost
-            # just before it left the others in a store rendezvous that no closed connection
-            # ends, for the whole rendezvous timeout before the fault path could start.
-            ensure_default_group(world)
         return trainer
 
     def run(self) -> None:
@@ -374,7 +367,6 @@ class _Worker:
         # members still blocked on this one fail now, NCCL's included, rather than at the timeout.
         abort_worlds()
         traceback.clear_frames(err.__traceback__)
-        drop_default_group()
         gc.collect()
         held = self.snapshots.summary() if self.snapshots is not None else None
         return self.source.recover(self.me, self._gen, self._step, err, held)

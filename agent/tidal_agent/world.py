@@ -8,9 +8,8 @@ background thread while the current one trains, and subgroups (the DP group of a
 rank) need no participation from non-members. A world's communicators are all built where
 the world is (NCCL's connected eagerly); a failed world is aborted (``abort_worlds``).
 
-Checkpoints go through torch.distributed.checkpoint, which wants the default process group:
-``ensure_default_group`` (re)initialises it for a generation: the worker does so as it builds
-the generation's trainer, where every member is (see ``Worker._trainer``).
+No default process group is ever joined: checkpoints agree through a world's own collectives
+too (tidal_agent.checkpoint), so nothing of a generation is connected inside a switch's pause.
 """
 
 from __future__ import annotations
@@ -233,30 +232,3 @@ class WorldBuilder:
         if self._result is None:
             raise RuntimeError("the world builder finished without a world or an error")
         return self._result
-
-
-_default_world: tuple[int, str] | None = None  # (generation, name) of the default group's world
-
-
-def ensure_default_group(world: World) -> None:
-    """Make the default process group this world's, for APIs that need it (DCP)."""
-    global _default_world
-    if _default_world == (world.generation, world.name) and dist.is_initialized():
-        return
-    drop_default_group()
-    dist.init_process_group(
-        world.rendezvous.backend,
-        store=dist.PrefixStore(f"gen{world.generation}/{world.name}-default/", world.store),
-        rank=world.rank,
-        world_size=world.size,
-        timeout=timedelta(seconds=world.rendezvous.timeout_s),
-    )
-    _default_world = (world.generation, world.name)
-
-
-def drop_default_group() -> None:
-    """Destroy the default process group, if any (its world is over or broken)."""
-    global _default_world
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _default_world = None

@@ -13,6 +13,7 @@ follows from them, so it can stop and restart at any time without losing a pod's
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from typing import Protocol
 
@@ -66,8 +67,8 @@ class Kubelet:
                 continue
             phase = pod.get("status", {}).get("phase")
             if phase == "Pending":
-                if runtime is not None:
-                    runtime.start(pod)
+                if runtime is not None:  # off the loop: a start may wait (a fork server's)
+                    await asyncio.to_thread(runtime.start, pod)
                 await self.api.patch_status(pod, self._running(pod, now))
             elif phase == "Running" and runtime is not None:
                 code = runtime.exit_code(pod)

@@ -62,7 +62,7 @@ def test_replicas_write_their_shared_state_once_and_it_reloads(tmp_path):
     static = run_local(job, layout(job, 2), steps=12, timeout_s=60)  # dp2 pp1
     shapes = state_shapes(job.spec.model)
     state_bytes = 4 * sum(shape.numel() for shape in shapes.values())
-    written = sum(f.stat().st_size for f in checkpoint.step_dir(tmp_path / "ckpt", 6).glob(
+    written = sum(f.stat().st_size for f in checkpoint.step_dir(tmp_path / "ckpt", 6).rglob(
         "*.distcp"))
     # Once, not once per replica (twice would be over twice the state): the state and
     # torch.save's framing, 1,044,448 bytes here, as many as a dp1 save of this job writes.
