@@ -24,11 +24,17 @@ def tidal(*args, timeout: float = 300) -> subprocess.CompletedProcess:
     """``tidal ARGS`` as a process from the repository root: a fork of this process's warmed
     fork server (:func:`tidal_local.processes.fork`, torch imported), not a fresh
     interpreter, with its own standard output and error."""
-    argv = [str(a) for a in args]
+    return tidal_forked("tidal_cli", [str(a) for a in args], env=dict(os.environ),
+                        timeout=timeout)
+
+
+def tidal_forked(main: str, argv: list[str], *, env: dict[str, str],
+                 timeout: float) -> subprocess.CompletedProcess:
+    """:func:`tidal` of the click ``main`` of module ``main``, in environment ``env``."""
     with tempfile.TemporaryDirectory(prefix="tidal-command-") as scratch:
         out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        proc = fork("tidal_cli", argv, env=dict(os.environ), log_path=out, stderr_path=err,
-                    cwd=ROOT, daemon=False)
+        proc = fork(main, argv, env=env, log_path=out, stderr_path=err, cwd=ROOT,
+                    daemon=False)
         try:
             code = proc.wait(timeout)
         finally:

@@ -6,11 +6,10 @@ environment (:class:`Pods`), writes ``status.target`` through the status subreso
 :func:`assert_bits_of_a_static_run` holds the leader's report against a run that never changed.
 Used by tests/integration/test_control.py and the fault soak (tests/integration/soak.py).
 
-The agents run this checkout's code whatever started the caller: forks of the caller's fork
-server (:func:`tidal_local.processes.fork`, as ``tidal local``'s pods are), which has imported
-the checkout's agent; a fresh process of its own (:func:`agent_command`) runs with the
-checkout's source roots on ``PYTHONPATH`` (the ``tidal`` script of a virtual environment runs
-the checkout it was installed from, which need not be this one).
+The agents run this checkout's code whatever started the caller: ``tidal_agent.cli`` forked
+from the caller's fork server (:func:`tidal_local.processes.fork`, as ``tidal local``'s pods
+are), which has imported the checkout's agent, not the ``tidal`` script of a virtual
+environment (it runs the checkout it was installed from, which need not be this one).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -40,11 +38,6 @@ from tidal_local.processes import Forked, fork
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ("api", "agent", "operator", "doubles")  # pyproject.toml's pythonpath
 NAMESPACE = "default"
-
-
-def agent_command(*args: str) -> list[str]:
-    """``tidal agent ARGS`` of this checkout, for an environment from :func:`checkout_env`."""
-    return [sys.executable, "-m", "tidal_agent.cli", "agent", *args]
 
 
 def checkout_env(env: Mapping[str, str]) -> dict[str, str]:

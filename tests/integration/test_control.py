@@ -24,8 +24,9 @@ import torch.distributed as dist
 from lightkube.resources.core_v1 import Event
 from prometheus_client import CollectorRegistry
 
-from tests.integration.agents import (NAMESPACE, Observer, Pods, agent_command,
-                                      assert_bits_of_a_static_run, checkout_env, create,
+from tests.commands import tidal_forked
+from tests.integration.agents import (NAMESPACE, Observer, Pods, assert_bits_of_a_static_run,
+                                      checkout_env, create,
                                       finish, free_port, job_doc, set_status, status, until)
 from tidal_agent import checkpoint
 from tidal_agent.events import Stepped, Straggler
@@ -618,6 +619,12 @@ def test_agents_replan_around_a_straggler_bitwise_as_a_static_run(emulator, api,
     assert_bits_of_a_static_run(report, doc, steps)
 
 
+def agent_run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``tidal agent ...`` as a process of this checkout (a fork, :func:`tests.commands.tidal`),
+    run to its end."""
+    return tidal_forked("tidal_agent.cli", args, env=env, timeout=120)
+
+
 def _agent_env(pod="tiny-worker-0", **extra):
     env = checkout_env({k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")})
     return {**env, keys.ENV_JOB: "tiny", keys.ENV_NAMESPACE: NAMESPACE, keys.ENV_POD: pod,
@@ -629,18 +636,18 @@ def test_agent_refuses_what_it_cannot_run(emulator, api):
     doc = job_doc()
     doc["spec"]["gpusPerWorker"] = 2
     create(api, doc)
-    run = agent_command("--kubeconfig", str(emulator.kubeconfig))
-    result = subprocess.run(run, env=_agent_env(), capture_output=True, text=True, timeout=120)
+    run = ["agent", "--kubeconfig", str(emulator.kubeconfig)]
+    result = agent_run(run, env=_agent_env())
     assert result.returncode == 1
     assert "spec.gpusPerWorker is 2: tidal agent runs one rank per pod" in result.stderr
     env = _agent_env()
     del env[keys.ENV_POD], env[keys.ENV_RENDEZVOUS_HOST]
-    result = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    result = agent_run(run, env=env)
     assert result.returncode == 1
     assert "set TIDAL_POD, TIDAL_RENDEZVOUS_HOST" in result.stderr
     # NCCL where the pod was given no GPU (none, whatever this machine has).
-    result = subprocess.run([*run, "--backend", "nccl"], capture_output=True, text=True,
-                            env={**_agent_env(), "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    result = agent_run([*run, "--backend", "nccl"],
+                       env={**_agent_env(), "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 1
     assert result.stderr.strip() == ("Error: transport nccl needs a GPU: GPU 0 is not among "
                                      "the 0 this process may use (CUDA_VISIBLE_DEVICES='')"

@@ -36,6 +36,7 @@ from lightkube.resources.core_v1 import Pod
 from tidal_api import keys
 from tidal_kube import localcluster
 from tidal_kube.serving import EmulatorThread, load_manifests
+from tidal_local.processes import Forked, fork
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +73,7 @@ def wait_for(what: str, check, timeout_s: float, every_s: float = 0.25):
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen | Forked) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -91,7 +92,7 @@ class WorkerPods:
         self.api, self.kubeconfig, self.logs = api, kubeconfig, logs
         self.rendezvous_port = free_port()
         self.metrics_ports = {f"{JOB}-worker-{i}": free_port() for i in range(max_workers)}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Forked] = {}
 
     def poll(self) -> None:
         """Start an agent for every running pod that has none; fail on an agent's error."""
@@ -109,13 +110,14 @@ class WorkerPods:
         env.update({keys.ENV_POD: name, keys.ENV_RENDEZVOUS_HOST: "127.0.0.1",
                     keys.ENV_RENDEZVOUS_PORT: str(self.rendezvous_port), "OMP_NUM_THREADS": "1"})
         base = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
-        command = [str(BIN / container.command[0]), *container.command[1:],
-                   "--kubeconfig", str(self.kubeconfig), "--modeled-table",  # as tidal local
-                   "--publish-interval", "0.5",
-                   "--timeout", "90", "--metrics-port", str(self.metrics_ports[name])]
-        with (self.logs / f"{name}.log").open("w") as log:
-            self.procs[name] = subprocess.Popen(command, env={**base, **env}, stdout=log,
-                                                stderr=subprocess.STDOUT, cwd=ROOT)
+        assert container.command[0] == "tidal", container.command
+        args = [*container.command[1:],
+                "--kubeconfig", str(self.kubeconfig), "--modeled-table",  # as tidal local
+                "--publish-interval", "0.5",
+                "--timeout", "90", "--metrics-port", str(self.metrics_ports[name])]
+        # a fork of this process's warmed server, as tidal local's pods are
+        self.procs[name] = fork("tidal_cli", args, env={**base, **env},
+                                log_path=self.logs / f"{name}.log", cwd=ROOT)
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text()
