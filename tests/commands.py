@@ -1,13 +1,13 @@
 """The ``tidal`` command for the tests, two ways: as a process, what a user runs (the tests of
-the command itself), or in the test's own process through click's runner, the same command
-line without a fresh interpreter and worker server per run (the tests of what a run computes).
+the command itself; forked from the test process's warmed fork server rather than a fresh
+interpreter), or in the test's own process through click's runner, the same command line
+without a process and worker server per run (the tests of what a run computes).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -16,7 +16,6 @@ from click.testing import CliRunner
 from tidal_local.processes import fork
 
 ROOT = Path(__file__).resolve().parents[1]
-TIDAL = Path(sys.executable).with_name("tidal")
 TINY = ROOT / "examples" / "tiny.yaml"
 
 

@@ -32,7 +32,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from tidal_api.spec import ModelSpec
 
 from tidal_agent.model import global_parameters
-from tidal_agent.switch import state_shapes
 from tidal_agent.trainer import Trainer
 from tidal_agent.world import World
 
@@ -58,11 +57,12 @@ def latest(root: str | Path, *, at_most: int | None = None) -> tuple[int, Path] 
     return max(found) if found else None
 
 
-def save(trainer: Trainer, root: str | Path, steps_done: int, layout_description: str) -> Path:
-    """Collectively save this job's state after ``steps_done`` steps; every rank calls it."""
+def save(trainer: Trainer, root: str | Path, steps_done: int, layout_description: str,
+         names: Sequence[str]) -> Path:
+    """Collectively save this job's state after ``steps_done`` steps; every rank calls it.
+    ``names``: every state name of the job, in global order (``state_metadata``'s)."""
     return save_state(trainer.state_tensors(), trainer.world, root, steps_done,
-                      layout_description, list(state_shapes(trainer.spec.model)),
-                      trainer.num_params)
+                      layout_description, names, trainer.num_params)
 
 
 def save_state(state: Mapping[str, torch.Tensor], world: World, root: str | Path,

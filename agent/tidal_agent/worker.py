@@ -170,6 +170,7 @@ class _Worker:
         self.where, self.device = device, device.device
         self.peaks = MemoryPeaks(self.device)  # GPU memory: the run's, the switch's, the profile's
         self.metas = state_metadata(spec.model)
+        self.state_names = [meta.name for meta in self.metas]  # a checkpoint's, in order
         self.snapshots = (PeerSnapshots(self.metas, self.device, every=opts.snapshot_every)
                           if opts.peer_snapshots else None)
         self._held_s: float | None = None  # this boundary's snapshot's hold on training
@@ -346,7 +347,8 @@ class _Worker:
         where it is."""
         root, path = self.opts.checkpoint_root, None
         if root:
-            path = str(checkpoint.save(trainer, root, step, trainer.layout.describe()))
+            path = str(checkpoint.save(trainer, root, step, trainer.layout.describe(),
+                                       self.state_names))
         log.warning("%s: the job halts at step %d (checkpoint: %s)", self.me, step, path)
         self.events.put(Halted(worker=self.me, step=step, checkpoint=path))
 
@@ -451,7 +453,8 @@ class _Worker:
         done, opts = step + 1, self.opts
         if opts.checkpoint_every and opts.checkpoint_root and done % opts.checkpoint_every == 0:
             saving = time.perf_counter()
-            path = checkpoint.save(trainer, opts.checkpoint_root, done, trainer.layout.describe())
+            path = checkpoint.save(trainer, opts.checkpoint_root, done,
+                                   trainer.layout.describe(), self.state_names)
             if self.leader:
                 self.events.put(Checkpointed(worker=self.me, path=str(path), step=done,
                                              seconds=time.perf_counter() - saving))

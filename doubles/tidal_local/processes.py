@@ -94,7 +94,7 @@ class Forked:
         return self._process.exitcode
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
@@ -111,17 +111,17 @@ class Forked:
 
 
 def fork(main: str, args: list[str], *, env: dict[str, str], log_path: Path,
-         cwd: Path | None = None, stderr_path: Path | None = None, daemon: bool = True,
-         preload: tuple[str, ...] = AGENT_PRELOAD) -> Forked:
+         cwd: Path | None = None, stderr_path: Path | None = None,
+         daemon: bool = True) -> Forked:
     """``spawn`` of ``python -m MAIN ARGS`` (``main``: a module with the click ``main`` of a
     ``tidal`` command: ``tidal_cli``, or ``tidal_agent.cli`` for a checkout's agent), as a
-    fork of a server process that has imported ``preload``; the child then takes ``env``
+    fork of a server process that has imported ``AGENT_PRELOAD``; the child then takes ``env``
     (read at import by none of those) as its whole environment. Its standard error goes to
     ``stderr_path`` where given. ``daemon``: terminated rather than waited for should this
     process exit first, and itself unable to start processes (``tidal run``'s workers)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))
+    ctx.set_forkserver_preload(list(AGENT_PRELOAD))
     process = ctx.Process(target=_forked_main, name=f"{main} {' '.join(args[:1])}",
                           args=(main, args, env, str(log_path), stderr_path and str(stderr_path),
                                 cwd), daemon=daemon)

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Mapping
-from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ from lightkube.types import PatchType
 from tidal_agent.link import ElasticTrainingJobResource as ETJ
 from tidal_api import keys
 from tidal_kube.serving import EmulatorThread, load_manifests
-from tidal_local.processes import Forked, fork
+from tidal_local.processes import Forked, fork, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ("api", "agent", "operator", "doubles")  # pyproject.toml's pythonpath
@@ -82,12 +80,6 @@ def until(check, timeout_s: float, what: str, every_s: float = 0.05):
             return value
         time.sleep(every_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def free_port() -> int:
-    with closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Pods:

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from lightkube.resources.core_v1 import Pod
 from tidal_api import keys
 from tidal_kube import localcluster
 from tidal_kube.serving import EmulatorThread, load_manifests
-from tidal_local.processes import Forked, fork
+from tidal_local.processes import Forked, fork, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -56,12 +55,6 @@ PREREQUISITES = [  # what the chart installs besides the operator
     *({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
        "value": value} for name, value in (("tidal-elastic", 100), ("tidal-default", 1000))),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(what: str, check, timeout_s: float, every_s: float = 0.25):
