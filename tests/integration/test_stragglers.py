@@ -64,11 +64,13 @@ def test_without_replan_a_straggler_is_only_flagged():
 
 
 def test_a_step_time_off_the_profile_for_long_is_profiled_again(tmp_path):
-    """The first profile (steps 3-7) predicts the step; worker-1 then turns 4x slower from
+    """The first profile (steps 3-7) predicts the step; worker-1 then turns 8x slower from
     step 9 on, the step time leaves the prediction by more than 25% for 5 steps, and every
-    member profiles again once the leader's word reaches it (two boundaries later)."""
+    member profiles again once the leader's word reaches it (two boundaries later). (8x, not
+    4x: under a busy core, as make test's two tests at once make, a 4x step came back within
+    25% of a prediction profiled under load, and the 5 steps began again.)"""
     report = run_local(_job(), _layout(2), steps=24, timeout_s=60,
-                       slowdown=(("worker-1", 9, 24, 4.0),), profile_out=tmp_path / "p.json",
+                       slowdown=(("worker-1", 9, 24, 8.0),), profile_out=tmp_path / "p.json",
                        sharing_probe=False)
     first, again = report["profiles"]
     assert first["steps"] == [3, 8] and 9 + 5 <= again["steps"][0] < again["steps"][1] <= 24
