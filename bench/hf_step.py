@@ -147,31 +147,47 @@ class PlainLoop:
         return total / t.num_micro_batches
 
 
+SIDES = ("tidal", "plain", "tidal_compiled", "plain_compiled")
+
+
 def bench_precision(config: dict, seq_len: int, precision: str, steps: int, warmup: int,
-                    store: dist.Store, device: torch.device) -> dict:
-    spec = hf_job(config, seq_len, precision).spec
+                    store: dist.Store, device: torch.device, compiled: bool = True) -> dict:
+    """Each side's step times at ``precision``, the sides taking turns step by step (the
+    order rotating every step); ``compiled``: the two compiled sides too."""
+    spec = hf_job(config, seq_len, precision, training={"compile": "off"}).spec
     tidal = tidal_trainer(spec, store, f"hf-step-{precision}", device)
     plain = PlainLoop(spec, config, tidal.named_params, device)
     sides = {"tidal": lambda step: tidal.step(step).loss, "plain": plain.step}
-    times: dict[str, list[float]] = {"tidal": [], "plain": []}
+    if compiled:
+        spec_c = hf_job(config, seq_len, precision, training={"compile": "on"}).spec
+        tidal_c = tidal_trainer(spec_c, store, f"hf-step-{precision}-compiled", device)
+        plain_c = PlainLoop(spec_c, config, tidal_c.named_params, device,
+                            compile_backend="inductor")
+        sides |= {"tidal_compiled": lambda step: tidal_c.step(step).loss,
+                  "plain_compiled": plain_c.step}
+    names = [name for name in SIDES if name in sides]
+    times: dict[str, list[float]] = {name: [] for name in names}
     first_loss: dict[str, float] = {}
     for step in range(warmup + steps):
-        for name in ("tidal", "plain") if step % 2 == 0 else ("plain", "tidal"):
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
             started = time.perf_counter()
             loss = sides[name](step)
             elapsed = time.perf_counter() - started
             first_loss.setdefault(name, loss)
             if step >= warmup:
                 times[name].append(elapsed)
-    paired = [a / b for a, b in zip(times["tidal"], times["plain"], strict=True)]
-    return {
-        "precision": precision,
-        "tidal_median_s": statistics.median(times["tidal"]),
-        "plain_median_s": statistics.median(times["plain"]),
-        "ratio": statistics.median(paired),
-        "paired_ratios": paired,
-        "first_step_loss": first_loss,
-    }
+
+    def ratio(side: str, baseline: str) -> float:  # the median of the paired step ratios
+        return statistics.median(a / b for a, b in zip(times[side], times[baseline],
+                                                       strict=True))
+
+    out = {"precision": precision, "ratio": ratio("tidal", "plain")}
+    if compiled:
+        out |= {"compiled_ratio": ratio("tidal_compiled", "plain_compiled"),
+                "compiled_speedup": ratio("plain", "plain_compiled")}
+    return out | {f"{name}_median_s": statistics.median(times[name]) for name in names} | {
+        "first_step_loss": first_loss}
 
 
 def main() -> None:
@@ -182,6 +198,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a toy model: checks the bench runs")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where both sides train (cuda: the current GPU)")
+    parser.add_argument("--no-compile", dest="compiled", action="store_false",
+                        help="the eager sides only (inductor compiles for tens of seconds)")
     args = parser.parse_args()
     device = torch.device(args.device)
     config = {**CONFIG, **(TINY if args.tiny else {})}
@@ -193,18 +211,21 @@ def main() -> None:
         print(f"{precision}: {args.warmup} warm-up + {args.steps} timed steps per side...",
               file=sys.stderr, flush=True)
         runs.append(bench_precision(config, seq_len, precision, args.steps, args.warmup, store,
-                                    device))
-        print(f"{precision}: ratio {runs[-1]['ratio']:.3f}", file=sys.stderr, flush=True)
+                                    device, args.compiled))
+        print(f"{precision}: ratio {runs[-1]['ratio']:.3f}, compiled_ratio "
+              f"{runs[-1].get('compiled_ratio', float('nan')):.3f}", file=sys.stderr, flush=True)
     report = {
         "benchmark": "hf_step",
-        "baseline": "a plain transformers training loop, one process",
+        "baseline": "a plain transformers training loop, one process (compiled_ratio: both "
+                    "compiled, Tidal unit by unit, the plain loop's whole model)",
         "config": config,
         "seq_len": seq_len,
         "training": {k: TRAINING[k] for k in ("globalBatchSize", "microBatchSize")},
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "runs": [{k: v for k, v in r.items() if k != "paired_ratios"} for r in runs],
+        "runs": runs,
         "ratio": max(r["ratio"] for r in runs),
+        "compiled_ratio": max(r["compiled_ratio"] for r in runs) if args.compiled else None,
     }
     print(json.dumps(report, indent=2))
 

@@ -58,18 +58,24 @@ def set_determinism(device: str, *, strict: bool, threads: int) -> dict[str, Any
     """Apply the determinism contract's settings for a worker computing on ``device`` (cpu or
     cuda); returns what it set, setting -> value (the report's ``determinism``).
 
-    Every mode fixes the threads, the same in every process. Strict mode on CUDA sets what
-    torchtitan's ``set_determinism`` does, before CUDA starts in the process: deterministic
-    algorithms, cuBLAS's fixed workspace, cuDNN deterministic without benchmarking, TF32 off and
-    inductor's deterministic mode. Strict mode on the CPU adds nothing: its kernels give the same
-    bits for the same threads (tests/integration/test_bitwise.py). Relaxed mode leaves the rest
-    as they are.
+    Every mode fixes the threads, the same in every process. Strict mode puts inductor in its
+    deterministic mode on any device (a compiled unit's kernels are then chosen without timing
+    them: tidal_agent.compiled). On CUDA it also sets what torchtitan's ``set_determinism``
+    does, before CUDA starts in the process: deterministic algorithms, cuBLAS's fixed
+    workspace, cuDNN deterministic without benchmarking and TF32 off. The CPU's kernels give the
+    same bits for the same threads without more (tests/integration/test_bitwise.py). Relaxed
+    mode leaves the rest as they are.
     """
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # a fork has its server's
     record: dict[str, Any] = {"threads": threads}
-    if not strict or device != "cuda":
+    if not strict:
         return record
+    inductor.deterministic = True  # no on-device benchmarking that picks kernels
+    inductor.fallback_random = True  # compiled randomness draws as eager does
+    if device != "cuda":
+        return record | {"torch._inductor.config.deterministic": True,
+                         "torch._inductor.config.fallback_random": True}
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read as cuBLAS starts
     torch.use_deterministic_algorithms(True)
     # Not filling every new tensor, as torchtitan: the trainer writes each buffer before it
@@ -80,8 +86,6 @@ def set_determinism(device: str, *, strict: bool, threads: int) -> dict[str, Any
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    inductor.deterministic = True  # no on-device benchmarking that picks kernels
-    inductor.fallback_random = True  # compiled randomness draws as eager does
     return record | strict_settings()
 
 

@@ -56,12 +56,15 @@ class Stepped:
     layout: Layout
     watch_s: float | None = None  # the boundary's straggler watch (None: it is off)
     speeds: dict[str, float] = field(default_factory=dict)  # per member, to the fastest
+    # The graphs the leader's process has compiled so far (None: units run eagerly): a step
+    # that compiled something raises it, a live switch to shapes compiled before does not.
+    compiled_graphs: int | None = None
 
     def record(self) -> dict[str, Any]:
         return {"step": self.step, "loss": self.loss, "loss_hex": self.loss_hex,
                 "grad_norm": self.grad_norm, "lr": self.lr, "seconds": self.seconds,
                 "snapshot_s": self.snapshot_s, "watch_s": self.watch_s, "speeds": self.speeds,
-                "layout": self.layout.to_dict()}
+                "compiled_graphs": self.compiled_graphs, "layout": self.layout.to_dict()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

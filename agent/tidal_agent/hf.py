@@ -232,8 +232,10 @@ class HFEmbedding(Unit):
         for name, module in parts.items():
             self.add_module(name, module)
 
-    def forward(self, h: torch.Tensor | None, ctx: UnitContext):
-        tokens = ctx.tokens[:, : self.model.seq_len]
+    def inputs(self, h: torch.Tensor | None, ctx: UnitContext) -> tuple:
+        return (ctx.tokens[:, : self.model.seq_len],)
+
+    def compute(self, h: torch.Tensor | None, tokens: torch.Tensor):
         if not hasattr(self, "wte"):
             return self.embed_tokens(tokens), None
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
@@ -252,9 +254,11 @@ class HFDecoderLayer(Unit):
         self.sliding = (layer_types[index - 1] == "sliding_attention" if layer_types
                         else getattr(config, "sliding_window", None) is not None)
 
-    def forward(self, h: torch.Tensor, ctx: UnitContext):
-        positions, mask, embeddings = _layer_inputs(self.key, self.rotary, self.sliding, h.shape,
-                                                    h.dtype, h.device)
+    def inputs(self, h: torch.Tensor, ctx: UnitContext) -> tuple:
+        return _layer_inputs(self.key, self.rotary, self.sliding, h.shape, h.dtype, h.device)
+
+    def compute(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                embeddings: tuple[torch.Tensor, torch.Tensor] | None):
         extra = {} if embeddings is None else {"position_embeddings": embeddings}
         out = self.layer(h, attention_mask=mask, position_ids=positions, **extra)
         return (out[0] if isinstance(out, tuple) else out), None
@@ -268,9 +272,11 @@ class HFHead(Unit):
         self.model, self.index = spec, index
         self.norm, self.lm_head = norm, lm_head
 
-    def forward(self, h: torch.Tensor, ctx: UnitContext):
+    def inputs(self, h: torch.Tensor, ctx: UnitContext) -> tuple:
+        return (ctx.tokens[:, 1 : 1 + self.model.seq_len],)
+
+    def compute(self, h: torch.Tensor, targets: torch.Tensor):
         logits = self.lm_head(self.norm(h))
-        targets = ctx.tokens[:, 1 : 1 + self.model.seq_len]
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
         return h.clone(), loss  # a copy, not a view: see tidal_agent.model.LossHead
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tidal_agent import compiled
 from tidal_agent.measure import Clock, Mark, Span
 from tidal_agent.seeding import derive_seed
 from tidal_api.spec import ModelSpec
@@ -63,20 +64,39 @@ class UnitContext:
         return self._tokens
 
 
-def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None) -> torch.Tensor:
+def _keep_mask(shape: tuple[int, ...], p: float,
+               generator: torch.Generator | None) -> torch.Tensor | None:
     # Our own mask, from a generator keyed by (seed, step, micro-batch, unit): the same mask
-    # whichever rank computes the unit.
+    # whichever rank computes the unit. Drawn outside ``Unit.compute``, so that a compiled
+    # unit draws exactly what an eager one does.
     if p == 0.0 or generator is None:
-        return x
-    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
-    return x * keep / (1.0 - p)
+        return None
+    return torch.empty(shape, device=generator.device).bernoulli_(1.0 - p, generator=generator)
+
+
+def _dropout(x: torch.Tensor, p: float, keep: torch.Tensor | None) -> torch.Tensor:
+    return x if keep is None else x * keep / (1.0 - p)
 
 
 class Unit(nn.Module):
-    """A placement unit; ``forward`` returns the next hidden state and an optional loss."""
+    """A placement unit; ``forward`` returns the next hidden state and an optional loss.
+
+    A forward is two parts: ``inputs`` gathers, eagerly, what the unit reads besides the
+    hidden state and its parameters (tokens, targets, dropout masks, position embeddings),
+    and ``compute`` is a function of tensors alone, which ``tidal_agent.compiled`` compiles.
+    """
 
     index: int
     model: ModelSpec
+
+    def forward(self, h: torch.Tensor | None, ctx: UnitContext):
+        return self.compute(h, *self.inputs(h, ctx))
+
+    def inputs(self, h: torch.Tensor | None, ctx: UnitContext) -> tuple:
+        raise NotImplementedError
+
+    def compute(self, h: torch.Tensor | None, *inputs):
+        raise NotImplementedError
 
     def _generator(self, ctx: UnitContext) -> torch.Generator | None:
         if self.model.dropout == 0.0:
@@ -92,12 +112,15 @@ class Embedding(Unit):
         self.model, self.index = model, index
         self.wte = nn.Embedding(model.vocab, model.d_model)
         self.wpe = nn.Embedding(model.seq_len, model.d_model)
+        self.p = model.dropout
 
-    def forward(self, h: torch.Tensor | None, ctx: UnitContext):
+    def inputs(self, h: torch.Tensor | None, ctx: UnitContext) -> tuple:
         idx = ctx.tokens[:, : self.model.seq_len]
-        pos = torch.arange(self.model.seq_len, device=idx.device)
-        h = self.wte(idx) + self.wpe(pos)
-        return _dropout(h, self.model.dropout, self._generator(ctx)), None
+        return idx, _keep_mask((*idx.shape, self.model.d_model), self.p, self._generator(ctx))
+
+    def compute(self, h: torch.Tensor | None, idx: torch.Tensor, keep: torch.Tensor | None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return _dropout(self.wte(idx) + self.wpe(pos), self.p, keep), None
 
 
 class Attention(nn.Module):
@@ -133,11 +156,16 @@ class Block(Unit):
         self.attn = Attention(model)
         self.ln2 = nn.LayerNorm(model.d_model)
         self.mlp = MLP(model)
+        self.p = model.dropout
 
-    def forward(self, h: torch.Tensor, ctx: UnitContext):
-        gen = self._generator(ctx)
-        h = h + _dropout(self.attn(self.ln1(h)), self.model.dropout, gen)
-        h = h + _dropout(self.mlp(self.ln2(h)), self.model.dropout, gen)
+    def inputs(self, h: torch.Tensor, ctx: UnitContext) -> tuple:
+        gen = self._generator(ctx)  # the attention's mask, then the MLP's
+        return _keep_mask(h.shape, self.p, gen), _keep_mask(h.shape, self.p, gen)
+
+    def compute(self, h: torch.Tensor, attn_keep: torch.Tensor | None,
+                mlp_keep: torch.Tensor | None):
+        h = h + _dropout(self.attn(self.ln1(h)), self.p, attn_keep)
+        h = h + _dropout(self.mlp(self.ln2(h)), self.p, mlp_keep)
         return h, None
 
 
@@ -154,10 +182,11 @@ class LossHead(Unit):
         self.norm = nn.LayerNorm(model.d_model)
         self.proj = nn.Linear(model.d_model, model.vocab, bias=False)
 
-    def forward(self, h: torch.Tensor, ctx: UnitContext):
-        t = self.model.seq_len
+    def inputs(self, h: torch.Tensor, ctx: UnitContext) -> tuple:
+        return (ctx.tokens[:, self.offset : self.offset + self.model.seq_len],)
+
+    def compute(self, h: torch.Tensor, targets: torch.Tensor):
         logits = self.proj(self.norm(h))
-        targets = ctx.tokens[:, self.offset : self.offset + t]
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         # The hidden state goes on through a copy, not a view: a stage output that is a view
         # cannot be detached in place, which the split (I/W) backward does.
@@ -253,18 +282,19 @@ class StageModule(nn.Module):
 
     With ``precision="bf16"`` each unit runs under autocast (parameters, their gradients and
     the hidden state between units stay fp32); with ``checkpointing`` each decoder layer keeps
-    only its input and recomputes its forward in the backward. Both act unit by unit, so the
-    numbers do not depend on where the stage boundaries are.
+    only its input and recomputes its forward in the backward; with ``compile`` each unit's
+    computation runs compiled (tidal_agent.compiled). All act unit by unit, so the numbers do
+    not depend on where the stage boundaries are.
     """
 
     def __init__(
         self, model: ModelSpec, units: range, seed: int, *, initialise: bool = True,
-        precision: str = "fp32", checkpointing: bool = False,
+        precision: str = "fp32", checkpointing: bool = False, compile: bool = False,
         empty_on: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         self.model, self.units = model, units
-        self.precision, self.checkpointing = precision, checkpointing
+        self.precision, self.checkpointing, self.compile = precision, checkpointing, compile
         if initialise:
             built = {u: build_unit(model, u, seed) for u in units}
         else:  # values arrive from a checkpoint or a reshard: skip drawing them
@@ -300,13 +330,15 @@ class StageModule(nn.Module):
         return h, losses
 
     def run_unit(self, unit: Unit, h: torch.Tensor | None, ctx: UnitContext):
-        """``unit``'s forward under the stage's precision and checkpointing."""
+        """``unit``'s forward under the stage's precision, checkpointing and compilation."""
+        compute = compiled.compute(type(unit)) if self.compile else type(unit).compute
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16,
                             enabled=self.precision == "bf16"):
+            inputs = unit.inputs(h, ctx)
             if self.checkpointing and 1 <= unit.index <= self.model.layers:
-                h, loss = checkpoint(unit, h, ctx, use_reentrant=False)
+                h, loss = checkpoint(compute, unit, h, *inputs, use_reentrant=False)
             else:
-                h, loss = unit(h, ctx)
+                h, loss = compute(unit, h, *inputs)
         return h.float(), loss  # the hidden state between units is fp32 whatever the layout
 
     @property

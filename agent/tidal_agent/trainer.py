@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tidal_agent import compiled
 from tidal_agent.data import BatchSource, PackedShards, SyntheticCorpus, TokenFile
 from tidal_agent.measure import Clock
 from tidal_agent.model import StageModule, global_parameter_names
@@ -157,11 +158,13 @@ class Trainer:
         seed = spec.training.seed
         kept = kept or {}
         self.stages = {}
+        self.compiled = compiled.enabled(spec.training.compile, device)
         for s in layout.rank_stages(pp_rank):
             stage = StageModule(
                 model, layout.stage_units(s), seed, initialise=initialise,
                 precision=spec.training.precision,
-                checkpointing=layout.activation_checkpointing, empty_on="meta",
+                checkpointing=layout.activation_checkpointing, compile=self.compiled,
+                empty_on="meta",
             )
             if initialise:
                 stage.to(device)

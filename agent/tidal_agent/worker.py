@@ -59,6 +59,7 @@ from pathlib import Path
 
 import torch
 
+from tidal_agent import compiled
 from tidal_agent import checkpoint
 from tidal_agent.calibrate import calibrate_trainer, time_collectives
 from tidal_agent.devices import WorkerDevice, prepare_worker
@@ -449,6 +450,7 @@ class _Worker:
                 layout=trainer.layout,
                 watch_s=watch.seconds if watch is not None else None,
                 speeds=watch.speeds() if watch is not None else {},
+                compiled_graphs=compiled.graphs() if trainer.compiled else None,
             ))
         done, opts = step + 1, self.opts
         if opts.checkpoint_every and opts.checkpoint_root and done % opts.checkpoint_every == 0:

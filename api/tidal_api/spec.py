@@ -235,6 +235,11 @@ class TrainingSpec(Spec):
         "only the layer's input: off, layers (always), or auto (the planner turns it on for "
         "the layouts that would not fit memory without it).",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="Compile each placement unit's forward (and so its backward) on "
+        "its own with torch.compile's inductor, units of one shape sharing compiled code: on, "
+        "off, or auto (on where the job trains on CUDA).",
+    )
     data: DataSpec = Field(default_factory=DataSpec, description="Where the samples come from.")
 
     @model_validator(mode="after")

@@ -81,9 +81,11 @@ def test_run_writes_the_report(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "step     2  pp2  loss" in result.stderr
     data = json.loads(report.read_text())
-    # Where the workers trained, as the leader said; strict on the CPU fixes the threads only.
+    # Where the workers trained, as the leader said; strict on the CPU fixes the threads and
+    # inductor's deterministic mode.
     assert (data["device"], data["backend"], data["transport"]) == ("cpu", "gloo", "gloo")
-    assert data["determinism"] == {"threads": 1}
+    assert data["determinism"] == {"threads": 1, "torch._inductor.config.deterministic": True,
+                                   "torch._inductor.config.fallback_random": True}
     assert [s["step"] for s in data["steps"]] == [0, 1, 2]
     for step in data["steps"]:
         assert float.fromhex(step["loss_hex"]) == step["loss"]

@@ -547,9 +547,11 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
     final = observer.seen[-1]
     report = json.loads((tmp_path / "report.json").read_text())
     assert final["loss"] == report["steps"][-1]["loss"]
-    # The pods had no GPU (this machine has none): the CPU, gloo, the threads fixed.
+    # The pods had no GPU (this machine has none): the CPU, gloo, the threads fixed, inductor
+    # deterministic.
     assert (report["device"], report["backend"], report["transport"]) == ("cpu", "gloo", "gloo")
-    assert report["determinism"] == {"threads": 1}
+    assert report["determinism"] == {"threads": 1, "torch._inductor.config.deterministic": True,
+                                   "torch._inductor.config.fallback_random": True}
     assert final["tokensPerSecond"] > 0 and final["stepSeconds"] > 0
     assert final["predictedStepSeconds"] > 0 and final["lastSwitchSeconds"] > 0
     table = ScaleTable.model_validate(final["scaleTable"])

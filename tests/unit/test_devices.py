@@ -155,11 +155,19 @@ def test_strict_mode_on_cuda_sets_and_reports_the_settings(process_settings):
     assert not torch.cuda.is_initialized()
 
 
-@pytest.mark.parametrize(("device", "strict"), [("cpu", True), ("cpu", False), ("cuda", False)])
-def test_the_cpu_and_relaxed_mode_fix_the_threads_only(process_settings, device, strict):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_relaxed_mode_fixes_the_threads_only(process_settings, device):
     before = strict_settings()
-    assert set_determinism(device, strict=strict, threads=1) == {"threads": 1}
+    assert set_determinism(device, strict=False, threads=1) == {"threads": 1}
     assert strict_settings() == before
+
+
+def test_strict_mode_on_the_cpu_adds_inductors_deterministic_mode_only(process_settings):
+    before = strict_settings()
+    inductor = {"torch._inductor.config.deterministic": True,
+                "torch._inductor.config.fallback_random": True}
+    assert set_determinism("cpu", strict=True, threads=1) == {"threads": 1} | inductor
+    assert strict_settings() == before | inductor
 
 
 def test_an_unknown_gpu_is_planned_as_an_h100_with_a_warning(monkeypatch, caplog):

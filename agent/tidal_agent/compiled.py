@@ -1,0 +1,62 @@
+"""Regional compilation: each placement unit's computation compiled on its own, the way
+torchtitan compiles each transformer block rather than the whole model.
+
+One compiled function per unit class: ``Unit.compute``, taking the unit as its first argument.
+Dynamo keeps its compiled code with that function, and inlines the unit's modules with their
+parameters as inputs of the graph, so every unit of one shape runs the same compiled code: all
+the decoder layers of a stage, and the layers a live switch brings to a rank, which compile
+nothing that any unit of their shape compiled before. ``graphs`` counts what this process has
+compiled, the report's measure of recompilation.
+
+What a unit reads besides its hidden state and parameters (tokens, dropout masks, the position
+embeddings) comes from ``Unit.inputs``, outside the compiled region, so a compiled unit draws
+the same randomness as an eager one. Strict mode sets inductor's deterministic mode
+(tidal_agent.devices.set_determinism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+BACKEND = "inductor"
+# Past this many graphs of one unit class dynamo would run it eagerly, with other bits: a job
+# compiles one graph per shape, precision and unit kind it meets (loss heads of different
+# weights are kinds).
+RECOMPILE_LIMIT = 64
+_COMPILED: dict[type, Callable] = {}
+
+
+def enabled(setting: Literal["auto", "on", "off"], device: torch.device) -> bool:
+    """Whether units compile: ``training.compile`` (auto: where the job trains on CUDA)."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def compute(unit_type: type) -> Callable:
+    """The compiled ``compute`` of ``unit_type``, called as ``compute(unit, h, *inputs)``."""
+    found = _COMPILED.get(unit_type)
+    if found is None:
+        import torch._dynamo.config  # seconds to import: only where units compile
+        import torch._functorch.config
+
+        # The split backward (I, then W from what I kept) runs a unit's backward graph with
+        # retain_graph, which buffers donated to the backward would forbid.
+        torch._functorch.config.donated_buffer = False
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        # Static shapes: a graph's kernels, and so its bits, depend on its shapes alone, not
+        # on which shapes the process met before (dynamic ones would be compiled for a shape
+        # met second).
+        found = _COMPILED[unit_type] = torch.compile(unit_type.compute, backend=BACKEND,
+                                                     dynamic=False)
+    return found
+
+
+def graphs() -> int:
+    """Graphs compiled in this process so far (each recompilation is one more)."""
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
