@@ -5,15 +5,14 @@ Both train the same Hugging Face Llama from the same initial values on the same 
 - tidal: a ``Trainer`` over a one-worker world (a gloo group of one, as a pp=1 worker has; an
   NCCL one with ``--device cuda``),
   running its real step: the runtime's action list over the placement units (each under the
-  precision's autocast), the global-order gradient clip, the per-tensor AdamW and the step loss;
+  precision's autocast), the global-order gradient clip, the fused AdamW and the step loss;
 - plain: ``AutoModelForCausalLM.from_config`` (sdpa attention) holding Tidal's initial values
   (loaded by :func:`tidal_agent.hf.hf_name`): the whole forward under the same autocast, with
   ``use_cache=False`` (training keeps no key-value cache), cross-entropy on the fp32 logits,
   ``(loss / num_micro_batches).backward()`` per micro-batch in micro-batch order,
   ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` with the same groups (weight
-  decay on matrices only), hyperparameters and per-step learning rate (``lr_at``). It leaves
-  ``foreach`` and ``fused`` at torch's defaults, which on CPU are the per-tensor loops that
-  Tidal asks for (``foreach=False``); on CUDA they are the multi-tensor kernels. It reads
+  decay on matrices only), hyperparameters and per-step learning rate (``lr_at``), fused as
+  Tidal's is (``fused=True``), so the optimizer's kernel is the same on both sides. It reads
   the step loss once per step, as Tidal does (a host sync per micro-batch would slow a GPU).
 
 Both run in one process on one thread (``torch.set_num_threads(1)``), alternating step by step
@@ -121,7 +120,7 @@ class PlainLoop:
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.t.weight_decay},
              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-            lr=self.t.lr, betas=self.t.betas, eps=1e-8)
+            lr=self.t.lr, betas=self.t.betas, eps=1e-8, fused=True)
         self.batches = batch_source(spec)
 
     def step(self, step: int) -> float:

@@ -3,7 +3,7 @@
 Both run the same model (Tidal's placement units, same initial values), the same PP degree,
 micro-batching and schedule (1F1B), in the same worker processes over the same gloo group,
 alternating step by step (Tidal first on even steps, torch first on odd ones). Each side does
-a whole training step: the pipeline, a gradient clip, AdamW (per tensor on both) and a step
+a whole training step: the pipeline, a gradient clip, AdamW (fused on both) and a step
 loss known on every rank. Torch's side clips as torchtitan does (per-stage squares all-reduced);
 Tidal's reduces per-parameter norms in global order, which its determinism contract needs.
 
@@ -113,7 +113,7 @@ def _worker(rank: int, pp: int, port: int, steps: int, warmup: int, job: dict, r
 
     schedule = Schedule1F1B(stage, n_microbatches=t.num_micro_batches, loss_fn=loss_fn)
     params = list(body.parameters()) + (list(head.parameters()) if head else [])
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, foreach=False)
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, fused=True)
     batches = batch_source(spec)
 
     def torch_step(step: int) -> float:

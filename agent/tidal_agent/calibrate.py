@@ -160,10 +160,10 @@ def _time_group(stage: StageModule, group: list[Unit], m: int, tokens, opt, cloc
     spans["weight_grad"] = (started, clock.mark())
 
     started = clock.mark()
-    norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in weights])
-    coef = torch.clamp(1.0 / (torch.linalg.vector_norm(norms) + 1e-6), max=1.0)
-    for p in weights:
-        p.grad.mul_(coef)
+    grads = [p.grad for p in weights]  # clipped as the trainer clips (GradientClip)
+    norms = torch.stack(torch._foreach_norm(grads))
+    torch._foreach_mul_(grads, torch.clamp(1.0 / (torch.linalg.vector_norm(norms) + 1e-6),
+                                           max=1.0))
     opt.step()
     opt.zero_grad(set_to_none=True)
     spans["post"] = (started, clock.mark())

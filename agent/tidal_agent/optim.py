@@ -1,10 +1,15 @@
 """Optimizer pieces whose results do not depend on the layout.
 
-AdamW runs per tensor (``foreach=False``), so a parameter's update reads nothing but its own
-state. The learning rate is a pure function of the step. The global gradient norm is reduced in
-global parameter order: every rank contributes the norms of its own parameters at their global
-indices of one vector, an all-reduce assembles it exactly (each entry has one contributor, the
-rest add zeros), and every rank takes the norm of the same vector.
+AdamW is torch's fused kernel (``fused=True``, on CPU and CUDA alike): each tensor's update
+is one elementwise pass over the tensor and its own state, whatever tensors share the call, so
+its bits do not depend on how a layout groups the parameters; on a GPU the whole update is a
+few multi-tensor launches and reads nothing back to the host. Its ``step`` is a float32 scalar
+on the parameter's device, where the fused kernel reads it (``adamw_step``). The learning rate
+is a pure function of the step. The global gradient norm is reduced in global parameter order
+(``GradientClip``): every rank takes the norms of its own gradients in one multi-tensor call,
+puts them at their global indices of one vector, an all-reduce assembles it exactly (each
+entry has one contributor, the rest add zeros), and every rank takes the norm of the same
+vector; the norm stays on the device until the trainer reads it with the step loss.
 """
 
 from __future__ import annotations
@@ -31,16 +36,22 @@ def lr_at(step: int, training: TrainingSpec) -> float:
 def build_adamw(
     named_params: Sequence[tuple[str, torch.nn.Parameter]], training: TrainingSpec
 ) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only, one tensor at a time."""
+    """Fused AdamW with weight decay on matrices only: each tensor's update its own."""
     decay = [p for _, p in named_params if p.dim() >= 2]
     no_decay = [p for _, p in named_params if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": training.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        groups, lr=training.lr, betas=training.betas, eps=1e-8, foreach=False, fused=False
-    )
+    return torch.optim.AdamW(groups, lr=training.lr, betas=training.betas, eps=1e-8, fused=True)
+
+
+def adamw_step(param: torch.Tensor, *, fill: bool = True) -> torch.Tensor:
+    """A new AdamW step count for ``param``, where fused AdamW keeps it (torch's
+    ``Adam._init_group``): a float32 scalar on the parameter's device (CUDA's kernel reads it
+    there; a CPU scalar would not do). Zero unless ``fill`` is off (state about to arrive)."""
+    make = torch.zeros if fill else torch.empty
+    return make((), dtype=torch.float32, device=param.device)
 
 
 class ClipMode(str, Enum):
@@ -48,46 +59,54 @@ class ClipMode(str, Enum):
     NAIVE = "naive"  # per-stage sums of squares all-reduced: layout-dependent, for contrast
 
 
-def clip_grad_norm(
-    indexed_params: Sequence[tuple[int, torch.nn.Parameter]],
-    num_params: int,
-    max_norm: float,
-    *,
-    world: World,
-    contributes: bool = True,
-    mode: ClipMode = ClipMode.GLOBAL_ORDER,
-    uncounted: frozenset[int] = frozenset(),
-) -> float:
-    """Clip gradients in place to a global norm of ``max_norm``; return the norm before.
+class GradientClip:
+    """Clips gradients in place to a global norm of ``max_norm``; the norm before, as a 0-d
+    tensor on the device (no host sync).
 
     ``indexed_params`` pairs each local parameter with its index in global parameter order.
     Data-parallel replicas hold the same (reduced) gradients: only one replica
     ``contributes`` its norms, so each entry of the reduced vector still has one contributor.
     Parameters of the ``uncounted`` indices are clipped but left out of the norm: the copy of
-    a tied parameter, whose gradient the other copy counts.
+    a tied parameter, whose gradient the other copy counts. The index tensors are made at the
+    first call, on the device, and kept: one made from a list each step would be a copy from
+    the host that waits for the device.
     """
-    if not indexed_params:
-        raise ValueError("clip_grad_norm needs at least one local parameter")
-    device = indexed_params[0][1].device
-    local = [torch.linalg.vector_norm(p.grad) for _, p in indexed_params]
-    if uncounted:
-        local = [norm * (0.0 if i in uncounted else 1.0)
-                 for norm, (i, _) in zip(local, indexed_params, strict=True)]
-    if mode is ClipMode.GLOBAL_ORDER:
-        norms = torch.zeros(num_params, device=device)
-        if contributes:
-            norms[[i for i, _ in indexed_params]] = torch.stack(local)
-        world.all_reduce(norms)
-        total = torch.linalg.vector_norm(norms)
-    else:
-        squares = torch.stack(local).square().sum() * (1.0 if contributes else 0.0)
-        world.all_reduce(squares)
-        total = squares.sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for _, p in indexed_params:
-            p.grad.mul_(coef)
-    return float(total)
+
+    def __init__(self, indexed_params: Sequence[tuple[int, torch.nn.Parameter]],
+                 num_params: int, *, world: World, contributes: bool = True,
+                 mode: ClipMode = ClipMode.GLOBAL_ORDER,
+                 uncounted: frozenset[int] = frozenset()) -> None:
+        if not indexed_params:
+            raise ValueError("GradientClip needs at least one local parameter")
+        self.params = [p for _, p in indexed_params]
+        self.num_params, self.world, self.contributes, self.mode = (
+            num_params, world, contributes, mode)
+        # The counted norms' positions among the local parameters, and their global indices.
+        self._counted = [k for k, (i, _) in enumerate(indexed_params) if i not in uncounted]
+        self._slots = [indexed_params[k][0] for k in self._counted]
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in self.params]
+        if self._index is None:
+            device = grads[0].device
+            self._index = (torch.tensor(self._counted, device=device),
+                           torch.tensor(self._slots, device=device))
+        counted, slots = self._index
+        local = torch.stack(torch._foreach_norm(grads)).index_select(0, counted)
+        if self.mode is ClipMode.GLOBAL_ORDER:
+            norms = torch.zeros(self.num_params, dtype=local.dtype, device=local.device)
+            if self.contributes:
+                norms.index_copy_(0, slots, local)
+            self.world.all_reduce(norms)
+            total = torch.linalg.vector_norm(norms)
+        else:
+            squares = local.square().sum() * (1.0 if self.contributes else 0.0)
+            self.world.all_reduce(squares)
+            total = squares.sqrt()
+        if max_norm > 0:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
 
 
 Subtree = tuple[int, int, list[torch.Tensor]]  # (level, index, the sum's tensors)

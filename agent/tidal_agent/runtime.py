@@ -95,12 +95,14 @@ class PipelineRuntime:
 
     # -- step -----------------------------------------------------------------------------
 
-    def run_step(self, step: int, plan: list[Step]) -> dict[tuple[int, int], list[float]]:
+    def run_step(self, step: int, plan: list[Step]) -> dict[tuple[int, int], list[torch.Tensor]]:
         """Run one step's plan (compute actions and groups of communication actions); return
         the loss values of this rank's loss units.
 
-        Keys are (stage, global micro-batch); values are the scaled losses of the stage's loss units in
-        unit order. Parameter gradients are left accumulated in ``.grad``.
+        Keys are (stage, global micro-batch), in the order the forwards ran; values are the
+        scaled losses of the stage's loss units in unit order, detached 0-d tensors on the device
+        (reading them is the caller's one host sync). Parameter gradients are left accumulated
+        in ``.grad``.
         """
         self._step, self._state = step, _StepState()
         profiler = self.profiler
@@ -118,10 +120,7 @@ class PipelineRuntime:
                     profiler.action_done(action, started, ended, share=1 / len(item))
         for posted, _ in self._state.sends:
             posted.wait()
-        values = {
-            (s, self.mb_offset + m): [float(v) for v in vs]
-            for (s, m), vs in self._state.loss_values.items()
-        }
+        values = {(s, self.mb_offset + m): vs for (s, m), vs in self._state.loss_values.items()}
         self._state = _StepState()
         return values
 

@@ -86,13 +86,12 @@ def execute_reshard(
     device = world.device
     for bucket in buckets:
         ops: list[P2P] = []
-        landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, where it lands)
         for transfer in bucket:
             region = slice(transfer.region.start, transfer.region.stop)
             src = senders.get(transfer.src, transfer.src)
             if src == me:
                 state = old_state if transfer.src == me else held[transfer.src]
-                # A held copy is in host memory, AdamW's step a CPU scalar: to the world's device
+                # A held copy, and state that leaves (``carry_over``), are in host memory
                 piece = state[transfer.tensor].view(-1)[region].to(device)
                 if transfer.dst == me:
                     new_state[transfer.tensor].view(-1)[region].copy_(piece)
@@ -100,18 +99,13 @@ def execute_reshard(
                 ops.append(send(piece, rank[transfer.dst]))
                 sent += transfer.nbytes
             if transfer.dst == me:
-                target = new_state[transfer.tensor].view(-1)[region]
-                into = target if target.device.type == device.type else torch.empty_like(
-                    target, device=device)
-                if into is not target:
-                    landing.append((target, into))
-                ops.append(recv(into, rank[src]))
+                # Into the live tensor: the new trainer's state (AdamW's step too) is on the
+                # world's device.
+                ops.append(recv(new_state[transfer.tensor].view(-1)[region], rank[src]))
                 received += transfer.nbytes
         # One group per bucket: its sends and receives with every peer posted together, in
         # the bucket's order at every member, as NCCL needs.
         world.exchange(ops).wait()
-        for target, into in landing:
-            target.copy_(into)
     return TransferStats(time.perf_counter() - started, sent, received, len(buckets))
 
 

@@ -22,10 +22,11 @@ from tidal_agent.measure import Clock
 from tidal_agent.model import StageModule, global_parameter_names
 from tidal_agent.optim import (
     ClipMode,
+    GradientClip,
     GradientReducer,
     LogicalReplicaGradients,
+    adamw_step,
     build_adamw,
-    clip_grad_norm,
     lr_at,
     tree_pairs,
 )
@@ -150,7 +151,6 @@ class Trainer:
         self.replica, self.pp_rank = divmod(world.rank, layout.pp)
         pp_rank = self.pp_rank
         model = spec.model
-        self.clip_mode = clip_mode
         if layout.num_units != model.num_units:
             raise ValueError(
                 f"layout covers {layout.num_units} units; the model has {model.num_units}"
@@ -185,7 +185,7 @@ class Trainer:
                     if f"{name}/{key}" in kept:
                         state[key] = kept[f"{name}/{key}"]
                     elif key == "step":
-                        state[key] = torch.empty((), dtype=torch.float32)
+                        state[key] = adamw_step(param, fill=False)
                     else:
                         state[key] = torch.empty_like(param)
         self.plan = exchange_plans(layout.replica_pipeline(self.replica))[pp_rank]
@@ -226,16 +226,20 @@ class Trainer:
             self.runtime.on_gradients = self._logical.micro_batch_done
         self.device = device
         self._tied: TiedGradients | None = None
-        self._uncounted: frozenset[int] = frozenset()
+        uncounted: frozenset[int] = frozenset()
         if model.huggingface is not None:
             from tidal_agent import hf
 
             if hf.tied(model):
                 self._tied = TiedGradients(layout, self.replica, world, dict(named),
                                            first=hf.embedding_name(model), last=hf.LM_HEAD)
-                self._uncounted = frozenset({index[hf.LM_HEAD]})
+                uncounted = frozenset({index[hf.LM_HEAD]})
+        self._clip = GradientClip(self.indexed_params, self.num_params, world=world,
+                                  contributes=self.replica == 0, mode=clip_mode,
+                                  uncounted=uncounted)
         self._first_loss_unit = model.layers + 1
         self._num_loss_units = model.num_units - self._first_loss_unit
+        self._loss_index: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}  # _loss_slots
 
     def step(self, step: int) -> StepResult:
         lr = lr_at(step, self.spec.training)
@@ -257,36 +261,49 @@ class Trainer:
                 self._reduce()
         if self._tied is not None:
             self._tied.sum()
-        grad_norm = clip_grad_norm(
-            self.indexed_params, self.num_params, self.spec.training.grad_clip,
-            world=self.world, contributes=self.replica == 0, mode=self.clip_mode,
-            uncounted=self._uncounted,
-        )
+        grad_norm = self._clip(self.spec.training.grad_clip)
         optimizing = profiler.mark() if profiler is not None else None
         self.optimizer.step()
         if profiler is not None:
             profiler.optimizer_done(optimizing, profiler.mark())
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._step_loss(loss_values)
+        loss, grad_norm = self._read_step(loss_values, grad_norm)
         if profiler is not None:
             profiler.step_done(started, pipelined, profiler.mark())
         return StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr)
 
-    def _step_loss(self, loss_values: dict[tuple[int, int], list[float]]) -> float:
-        """Sum of every loss unit's scaled loss, micro-batch-major, then over micro-batches."""
+    def _read_step(self, loss_values: dict[tuple[int, int], list[torch.Tensor]],
+                   grad_norm: torch.Tensor) -> tuple[float, float]:
+        """The step loss and the gradient norm, read from the device together: the step's one
+        host sync. The step loss is the sum of every loss unit's scaled loss, micro-batch-major,
+        then over micro-batches, in float64: every rank fills its entries of one table on the
+        device, and an all-reduce assembles it (each entry has one contributor)."""
         m_count = self.layout.num_micro_batches * self.layout.dp
-        table = torch.zeros(m_count, self._num_loss_units, dtype=torch.float64, device=self.device)
-        for (stage, mb), values in loss_values.items():
-            first = [u for u in self.layout.stage_units(stage) if u >= self._first_loss_unit]
-            for unit, value in zip(first, values, strict=True):
-                table[mb, unit - self._first_loss_unit] = value
+        table = torch.zeros(m_count * self._num_loss_units, dtype=torch.float64,
+                            device=self.device)
+        values = [v for vs in loss_values.values() for v in vs]
+        if values:  # a rank without loss units has none
+            table.index_copy_(0, self._loss_slots(loss_values), torch.stack(values).double())
         self.world.all_reduce(table)
-        rows = table.cpu().tolist()
+        *entries, norm = torch.cat([table, grad_norm.double().view(1)]).tolist()
         total = 0.0
-        for row in rows:
-            for value in row:
-                total += value
-        return total / m_count
+        for value in entries:  # micro-batch-major, as the table is laid out
+            total += value
+        return total / m_count, norm
+
+    def _loss_slots(self, loss_values: Mapping[tuple[int, int], list[torch.Tensor]]
+                    ) -> torch.Tensor:
+        """Where the loss values land in the flat table, in their order: made on the device
+        once per order of (stage, micro-batch) the runtime ran (one a plan), as one made each
+        step would be a copy from the host that waits for the device."""
+        order = tuple(loss_values)
+        if order not in self._loss_index:
+            slots = []
+            for stage, mb in order:
+                units = [u for u in self.layout.stage_units(stage) if u >= self._first_loss_unit]
+                slots += [mb * self._num_loss_units + u - self._first_loss_unit for u in units]
+            self._loss_index[order] = torch.tensor(slots, device=self.device)
+        return self._loss_index[order]
 
     def layer_seconds(self) -> float | None:
         """The median seconds of this rank's decoder-layer forwards since the last call (None:
@@ -318,7 +335,7 @@ class Trainer:
             opt = self.optimizer.state[param]
             if not opt:
                 opt.update(
-                    step=torch.zeros((), dtype=torch.float32),
+                    step=adamw_step(param),
                     exp_avg=torch.zeros_like(param, memory_format=torch.preserve_format),
                     exp_avg_sq=torch.zeros_like(param, memory_format=torch.preserve_format),
                 )

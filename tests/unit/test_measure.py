@@ -1,6 +1,6 @@
 """GPU work measured as such, checked on the CPU through the same code: device marks read
-later, calibration on the run's own modules, a switch that allocates only what arrives, and
-peer snapshots whose host memory does not grow."""
+later, a step that reads the device once, calibration on the run's own modules, a switch that
+allocates only what arrives, and peer snapshots whose host memory does not grow."""
 
 from __future__ import annotations
 
@@ -111,6 +111,28 @@ def test_a_profiled_step_marks_the_device_and_reads_the_marks_only_when_gathered
             assert profiler.step_parts[0]["pipeline_s"] > 0 and profiler.optimizer_s[0] > 0
         assert 2 * _Recorded.log.count("read") == _Recorded.log.count("synchronize") > 0
         _Recorded.log.clear()
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Counts the reads of one value back to the host (``float(t)``, ``t.item()``): on a GPU,
+    each waits for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ == "_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_reads_its_loss_and_norm_back_once_not_value_by_value():
+    trainer = _trainer(_spec())
+    trainer.step(0)
+    with _ScalarReads() as reads:
+        result = trainer.step(1)  # its one read (a table's tolist) goes round the dispatcher
+    assert reads.count == 0
+    assert result.loss > 0 and result.grad_norm > 0
 
 
 def test_the_layer_clock_keeps_spans_until_taken(recorded):
