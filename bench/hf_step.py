@@ -13,19 +13,26 @@ Both train the same Hugging Face Llama from the same initial values on the same 
   ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` with the same groups (weight
   decay on matrices only), hyperparameters and per-step learning rate (``lr_at``), fused as
   Tidal's is (``fused=True``), so the optimizer's kernel is the same on both sides. It reads
-  the step loss once per step, as Tidal does (a host sync per micro-batch would slow a GPU).
+  the step loss once per step, as Tidal does (a host sync per micro-batch would slow a GPU);
+- tidal_compiled: the same trainer with ``training.compile: on`` (each unit compiled on its own
+  by inductor, tidal_agent.compiled);
+- plain_compiled: the plain loop with its whole model under ``torch.compile`` (inductor), what a
+  user who compiles their model runs: the second baseline.
 
-Both run in one process on one thread (``torch.set_num_threads(1)``), alternating step by step
-(Tidal first on even steps, plain first on odd ones): whatever else runs on the host slows both
-sides alike, and each side's step starts from the caches the other side's step left. Two
-processes taking turns would do the same with a handshake per step and two interpreters'
-memory, and gain nothing on one thread.
+All run in one process on one thread (``torch.set_num_threads(1)``), taking turns step by step
+(the order rotating each step): whatever else runs on the host slows every side alike, and each
+side's step starts from the caches another side's step left. Processes taking turns would do
+the same with a handshake per step and more interpreters' memory, and gain nothing on one
+thread. The warm-up steps include the compiled sides' compilation.
 
 Prints JSON: per precision (fp32, bf16) the median step seconds of each side, ``ratio`` (the
-median of the paired step ratios tidal/plain) and each side's first step loss (the same: the
-units compute the library's numbers); ``ratio`` at the top is the worst precision's.
+median of the paired step ratios tidal/plain), ``compiled_ratio`` (tidal_compiled /
+plain_compiled), ``compiled_speedup`` (plain / plain_compiled) and each side's first step loss
+(the same eager: the units compute the library's numbers); ``ratio`` and ``compiled_ratio`` at
+the top are the worst precision's.
 
     python bench/hf_step.py [--precision fp32,bf16] [--steps 10] [--warmup 2] [--device cuda]
+                            [--no-compile]
 
 bench/gpu.py uses the two sides one after the other at a GPU's sizes.
 """
@@ -66,7 +73,8 @@ TRAINING = {"steps": 1000, "globalBatchSize": 8, "microBatchSize": 2, "lr": 1e-3
 
 
 def hf_job(config: dict, seq_len: int, precision: str, *, name: str = "hf-step",
-           training: dict | None = None, max_workers: int = 1) -> ElasticTrainingJob:
+           training: dict | None = None, max_workers: int = 1,
+           consistency: str = "strict") -> ElasticTrainingJob:
     """A job training the Hugging Face ``config`` on the synthetic corpus (``TRAINING``'s
     hyperparameters, overridden by ``training``), on 1 to ``max_workers`` workers."""
     sizes = {"layers": config["num_hidden_layers"], "dModel": config["hidden_size"],
@@ -77,7 +85,8 @@ def hf_job(config: dict, seq_len: int, precision: str, *, name: str = "hf-step",
         "metadata": {"name": name},
         "spec": {"workers": {"min": 1, "max": max_workers},
                  "model": {**sizes, "huggingface": {"config": config}},
-                 "training": {**TRAINING, **(training or {}), "precision": precision}},
+                 "training": {**TRAINING, **(training or {}), "precision": precision},
+                 "parallelism": {"consistency": consistency}},
     })
 
 
