@@ -19,7 +19,7 @@ import torch
 from tidal_agent import compiled
 from tidal_agent.data import BatchSource, PackedShards, SyntheticCorpus, TokenFile
 from tidal_agent.measure import Clock
-from tidal_agent.model import StageModule, global_parameter_names
+from tidal_agent.model import StageModule, UnitContext, global_parameter_names
 from tidal_agent.optim import (
     ClipMode,
     GradientClip,
@@ -113,6 +113,43 @@ def prepare_subgroups(world: World, layout: Layout, strict: bool) -> None:
     group = dp_world(world, layout)
     if group is not None and strict and not layout.shares:
         tree_pairs(group)
+
+
+def warm_up_compiled(spec: JobSpec, layout: Layout, pp_rank: int, device: torch.device) -> int:
+    """Compile, now, what pipeline rank ``pp_rank`` of ``layout`` will run: a joiner does it in
+    standby, so that the switch's first step compiles nothing. Returns the graphs compiled.
+
+    One forward and backward of a micro-batch of zeros through throwaway copies of one unit
+    of each kind the rank's stages hold (the first unit with a decoder layer after it where the
+    stage starts at the embedding, and its loss units), uninitialised and dropped after:
+    units of one shape share compiled code (tidal_agent.compiled), so the trainer's own units
+    find theirs compiled. A model whose decoder layers differ (sliding and full attention)
+    compiles the kinds not copied at its first step.
+    """
+    model, t = spec.model, spec.training
+    before = compiled.graphs()
+    tokens = torch.zeros((t.micro_batch_size, model.sample_len), dtype=torch.long, device=device)
+    ctx = UnitContext(seed=t.seed, step=0, mb=0, device=device, load=lambda: tokens)
+    first_loss = model.layers + 1
+    for s in layout.rank_stages(pp_rank):
+        units = layout.stage_units(s)
+        pieces = [range(units.start, min(units.stop, max(units.start, 1) + 1))]
+        if units.start >= first_loss:
+            pieces = []
+        if units.stop > first_loss:
+            pieces.append(range(max(units.start, first_loss), units.stop))
+        for piece in pieces:
+            stage = StageModule(model, piece, t.seed, initialise=False, precision=t.precision,
+                                checkpointing=layout.activation_checkpointing, compile=True,
+                                empty_on=device)
+            h = None if piece.start == 0 else torch.zeros(
+                (t.micro_batch_size, model.seq_len, model.d_model), device=device,
+                requires_grad=True)
+            out, losses = stage(h, ctx)
+            roots = [*losses, *([out] if piece.stop <= model.num_units - 1 else [])]
+            torch.autograd.backward(roots, [torch.ones_like(r) if r.dim() == 0
+                                            else torch.zeros_like(r) for r in roots])
+    return compiled.graphs() - before
 
 
 @dataclass(frozen=True, slots=True)

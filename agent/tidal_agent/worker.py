@@ -74,7 +74,7 @@ from tidal_agent.recovery import rebuild, save_cut
 from tidal_agent.snapshot import Cut, PeerSnapshots, state_index
 from tidal_agent.stragglers import StragglerWatch
 from tidal_agent.switch import TransferStats, carry_over, execute_reshard, state_metadata
-from tidal_agent.trainer import Trainer, prepare_subgroups
+from tidal_agent.trainer import Trainer, prepare_subgroups, warm_up_compiled
 from tidal_agent.world import Rendezvous, World, WorldBuilder, abort_worlds, build_world
 from tidal_api import JobSpec, keys
 from tidal_api.layout import Layout
@@ -245,11 +245,22 @@ class _Worker:
             self.events.put(self._ready(step))
         else:  # a joiner: standby in the new world until the old members arrive
             self.events.put(self._ready(None))
+            if compiled.enabled(self.spec.training.compile, self.device):
+                self._warm_up(gen)
             world = self._world(gen, gen.world)
             trainer = self._trainer(gen, world, initialise=False)
             self._reshard(self._plan(previous, gen), world, None, trainer)
             step = gen.at_step
         return trainer, world, step
+
+    def _warm_up(self, gen: Generation) -> None:
+        """Compile in standby what this joiner's units in ``gen`` run, before the switch."""
+        layout = self.source.layout(gen)
+        started = time.perf_counter()
+        graphs = warm_up_compiled(self.spec, layout, gen.members.index(self.me) % layout.pp,
+                                  self.device)
+        log.info("%s: compiled %d graphs in standby (%.1f s)", self.me, graphs,
+                 time.perf_counter() - started)
 
     def _ready(self, step: int | None) -> Ready:
         rendezvous = self.opts.rendezvous
