@@ -178,13 +178,17 @@ def bench_precision(config: dict, seq_len: int, precision: str, steps: int, warm
     first_loss: dict[str, float] = {}
     for step in range(warmup + steps):
         shift = step % len(names)
+        took = {}
         for name in names[shift:] + names[:shift]:
             started = time.perf_counter()
             loss = sides[name](step)
-            elapsed = time.perf_counter() - started
+            took[name] = elapsed = time.perf_counter() - started
             first_loss.setdefault(name, loss)
             if step >= warmup:
                 times[name].append(elapsed)
+        print(f"{precision} step {step}: " + ", ".join(f"{name} {took[name]:.2f} s"
+                                                       for name in names),
+              file=sys.stderr, flush=True)
 
     def ratio(side: str, baseline: str) -> float:  # the median of the paired step ratios
         return statistics.median(a / b for a, b in zip(times[side], times[baseline],
