@@ -7,16 +7,20 @@ import math
 import pytest
 
 from tidal_api import ModelSpec
-from tidal_plan.costmodel import model_costs, predict, unit_costs
+from tidal_plan.costmodel import Sharding, model_costs, predict, unit_costs
 from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, gpu_description, load_device
 from tidal_plan.layout import build_layout
 from tidal_plan.modelshape import (
     FLEXTRAIN,
     ModelShape,
     active_params,
+    korthikanti_activation_bytes,
     total_params,
     unit_activation_bytes,
     unit_active_params,
+    unit_backward_bytes,
+    unit_output_grad_bytes,
+    unit_saved_bytes,
     unit_flops,
     unit_params,
 )
@@ -128,15 +132,59 @@ def test_moe_flops_follow_active_params():
     assert 1 < ratio < 1.02
 
 
-def test_activation_bytes():
+def test_korthikanti_activation_bytes():
     shape = BIG
-    per_layer = unit_activation_bytes(shape, 1, 1, 2)
+    per_layer = korthikanti_activation_bytes(shape, 1, 1, 2)
     assert per_layer == 2048 * 4096 * 34  # Korthikanti et al. with flash attention
-    no_flash = unit_activation_bytes(shape, 1, 1, 2, flash_attention=False)
+    no_flash = korthikanti_activation_bytes(shape, 1, 1, 2, flash_attention=False)
     assert no_flash == 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
-    assert unit_activation_bytes(shape, 1, 2, 4) == 4 * per_layer  # twice the batch, fp32
-    head = unit_activation_bytes(shape, shape.layers + 1, 1, 2)
+    assert korthikanti_activation_bytes(shape, 1, 2, 4) == 4 * per_layer  # twice the batch, fp32
+    head = korthikanti_activation_bytes(shape, shape.layers + 1, 1, 2)
     assert head >= 2048 * 50304 * 2  # the logits
+
+
+def test_tidals_activation_bytes_tensor_by_tensor():
+    """The built-in GPT's block, per token: two fp32 residual tensors (8d), LayerNorm
+    statistics (2 x 8), the matmuls' inputs, q, k, v and attention's output (6ad), GELU's
+    input and output (2 x 4ad), log-sum-exp (4 heads); under bf16 autocast also its weights'
+    bf16 copies (2 x 12 d^2). tests/unit/test_measure.py checks the counts against the bytes
+    the trainer's units allocate."""
+    d, tokens = BIG.d_model, BIG.seq_len
+    for a in (2, 4):
+        per_token = 8 * d + 16 + 6 * a * d + 2 * a * 4 * d + 4 * BIG.heads
+        assert unit_saved_bytes(BIG, 1, 1, a) == tokens * per_token
+    copies = 2 * 12 * d * d
+    assert unit_activation_bytes(BIG, 1, 1, 2) == unit_saved_bytes(BIG, 1, 1, 2) + copies
+    assert unit_activation_bytes(BIG, 1, 1, 4) == unit_saved_bytes(BIG, 1, 1, 4)
+    # The loss head keeps the fp32 log-softmax of its logits whatever the precision; the
+    # model's last unit passes no output on.
+    head = BIG.layers + 1
+    assert unit_saved_bytes(BIG, head, 1, 2) == tokens * (8 + 2 * d + 4 * BIG.vocab + 8)
+    # Its backward holds two fp32 gradients of the logits, or its weight's bf16 gradient and
+    # that one's fp32 copy, whichever is more; a block's, two of GELU's width.
+    assert unit_backward_bytes(BIG, head, tokens, 2) == max(tokens * 8 * BIG.vocab,
+                                                            6 * d * BIG.vocab)
+    assert unit_backward_bytes(BIG, head, 8 * tokens, 2) == 8 * tokens * 8 * BIG.vocab
+    assert unit_backward_bytes(BIG, 1, tokens, 4) == tokens * 2 * 4 * 4 * d
+    assert unit_output_grad_bytes(BIG, 0, tokens, 2) == 0.0  # the embedding's is all W
+
+
+def test_a_pipeline_keeps_its_messages_and_a_split_backward_what_its_w_needs():
+    one, two = layout_for(SMALL, 1), layout_for(SMALL, 2)
+    message = SMALL.seq_len * SMALL.d_model * 4  # one sample's hidden state, fp32
+    units = [unit_costs(SMALL, u, 1, H100) for u in range(SMALL.num_units)]
+    assert model_costs(SMALL, one, H100).retained_bytes == (0.0,)
+    costs = model_costs(SMALL, two, H100)
+    assert costs.retained_bytes == (message, message)  # its sent output; its input gradient
+    # The second stage also keeps the input it received.
+    assert costs.activation_bytes[1] == pytest.approx(
+        sum(units[u].activation_bytes for u in two.stage_units(1)) + message)
+    assert costs.held_for_weight_bytes[0] == 0.0  # a first stage's backward is all W
+    zb = layout_for(SMALL, 2, schedule="zb")
+    assert predict(SMALL, zb, H100).peak_memory_bytes[1] > predict(
+        SMALL, two, H100).peak_memory_bytes[1]
+    megatron = model_costs(SMALL, two, H100, Sharding(megatron=True))
+    assert megatron.retained_bytes == (0.0, 0.0) and megatron.held_for_weight_bytes == (0.0, 0.0)
 
 
 def test_state_is_sixteen_bytes_per_parameter():
