@@ -377,7 +377,8 @@ def step_model(
 
     held = per_rank([u.state_bytes for u in units])
     transient = per_rank(list(_backward_peaks(units, stage_units)), max)
-    state = tuple(s + t for s, t in zip(held, transient, strict=True))
+    state = tuple(s + t + device.memory_overhead_bytes
+                  for s, t in zip(held, transient, strict=True))
     moved = max(per_rank([u.allreduce_bytes for u in units]))
     return StepModel(
         costs=stage_costs(units, layout, comm,
@@ -416,8 +417,8 @@ def predict(
     whole state once, over ``memory_bandwidth``). Ranks run in parallel, so each phase costs
     its slowest rank. Memory is a GPU's state, the dry run's peak of what micro-batches in
     flight keep (activations, what a split backward keeps for W, pipeline messages) and the
-    most a unit's backward holds for a moment; CUDA context, workspaces, NCCL's buffers and
-    fragmentation are not counted, so leave headroom.
+    most a unit's backward holds for a moment, plus the device's ``memory_overhead_bytes``
+    (zero but where a run measured it: CUDA's workspaces, NCCL's buffers, fragmentation).
     """
     model = step_model(shape, layout, device, sharding)
     sim = estimate_step(layout, model.costs)

@@ -8,8 +8,18 @@ import pytest
 
 from tidal_api import ModelSpec
 from tidal_plan.costmodel import Sharding, model_costs, predict, unit_costs
-from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, gpu_description, load_device
+from tidal_plan.devices import (
+    DEVICES,
+    GIB,
+    Device,
+    DeviceError,
+    gpu_description,
+    load_device,
+    write_device,
+)
+from tidal_plan.measured import measured_device
 from tidal_plan.layout import build_layout
+from tidal_plan.profiled import ProfileError
 from tidal_plan.modelshape import (
     FLEXTRAIN,
     ModelShape,
@@ -260,13 +270,16 @@ def test_the_large_preset_is_planned_without_running_it():
 # --- devices -------------------------------------------------------------------------------------
 
 
-def test_builtin_devices():
+def test_builtin_devices_are_the_datasheets():
     assert load_device("h100") is H100
     assert H100.memory_bytes == 80 * GIB and H100.dtype_bytes == 2
+    assert (H100.peak_flops, H100.memory_bandwidth) == (989.4e12, 3.35e12)  # dense bf16
+    assert 2 * H100.nvlink_bandwidth == 900e9  # NVLink 4, both directions together
     assert load_device("cpu").dtype_bytes == 4
     h200 = load_device("h200")  # an H100's compute, more and faster memory
     assert h200.peak_flops == H100.peak_flops and h200.memory_bytes == 141 * GIB
     assert h200.memory_bandwidth == 4.8e12 > H100.memory_bandwidth
+    assert h200.nvlink_bandwidth == H100.nvlink_bandwidth
 
 
 @pytest.mark.parametrize(("gpu", "description"), [
@@ -304,6 +317,61 @@ def test_bad_device_files_say_what_is_wrong(tmp_path, content, message):
 def test_unknown_device_name_lists_the_builtins():
     with pytest.raises(DeviceError, match=r"use one of \['cpu', 'h100', 'h200'\]"):
         load_device("tpu")
+
+
+def test_a_written_device_loads_as_it_was(tmp_path):
+    measured = dataclasses.replace(H100, name="h100-measured", mfu=0.31,
+                                   memory_overhead_bytes=2.5 * GIB)
+    assert load_device(write_device(measured, tmp_path / "d" / "h100.json")) == measured
+
+
+def _profile(shape, layout, device, *, mfu, peaks=None):
+    """A profile of ``layout`` whose units took what the model says at ``mfu``, the ranks'
+    peaks ``peaks`` (None: a CPU's)."""
+    at_peak = dataclasses.replace(device, mfu=1.0)
+    units = {str(u): {"forward_s": c.forward_s / mfu, "input_grad_s": c.input_grad_s / mfu,
+                      "weight_grad_s": c.weight_grad_s / mfu}
+             for u, c in enumerate(unit_costs(shape, u, layout.micro_batch_size, at_peak)
+                                   for u in range(shape.num_units))}
+    ranks = {str(r): {"pp_rank": r, "peak_gpu_bytes": None if peaks is None else peaks[r]}
+             for r in range(layout.pp)}
+    return {"layout": layout.to_dict(), "units": units, "ranks": ranks}
+
+
+def test_a_measured_device_takes_its_efficiency_from_the_profile():
+    layout = layout_for(BIG, 2, m=4)
+    cpu_like = _profile(BIG, layout, H100, mfu=0.3)
+    measured = measured_device(cpu_like, BIG, H100)
+    assert measured.name == "h100-measured" and measured.mfu == pytest.approx(0.3)
+    assert measured.peak_flops == H100.peak_flops and measured.memory_overhead_bytes == 0.0
+    # The step priced on it: its compute slower by 0.45 / 0.3
+    assert predict(BIG, layout, measured).pipeline_seconds > predict(
+        BIG, layout, H100).pipeline_seconds * 1.4
+    # GPU peaks: the fullest rank's excess over the model becomes the device's overhead.
+    model = predict(BIG, layout, measured).peak_memory_bytes
+    on_gpu = _profile(BIG, layout, H100, mfu=0.3, peaks=[model[0] + GIB, model[1] + 2 * GIB])
+    measured = measured_device(on_gpu, BIG, H100)
+    assert measured.memory_overhead_bytes == pytest.approx(2 * GIB)
+    assert predict(BIG, layout, measured).peak_memory_bytes == pytest.approx(
+        tuple(p + 2 * GIB for p in model))
+    # A model that counts more than was held keeps its count.
+    under = _profile(BIG, layout, H100, mfu=0.3, peaks=[model[0] / 2, model[1] / 2])
+    assert measured_device(under, BIG, H100).memory_overhead_bytes == 0.0
+
+
+def test_a_run_faster_than_the_peak_raises_the_peak():
+    layout = layout_for(SMALL, 1, m=2)
+    fast = measured_device(_profile(SMALL, layout, H100, mfu=2.0), SMALL, H100, name="fast")
+    assert fast.name == "fast" and fast.mfu == 1.0
+    assert fast.matmul_flops == pytest.approx(2 * H100.peak_flops)
+
+
+def test_a_profile_that_cannot_measure_a_device_says_why():
+    layout = layout_for(SMALL, 1, m=2)
+    with pytest.raises(ProfileError, match="profile lacks 'units'"):
+        measured_device({"layout": layout.to_dict()}, SMALL, H100)
+    with pytest.raises(ProfileError, match="has 7 units; the model 34"):
+        measured_device(_profile(SMALL, layout, H100, mfu=0.5), BIG, H100)
 
 
 def test_bad_device_values():
