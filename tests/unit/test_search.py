@@ -27,6 +27,7 @@ from tidal_plan.planner import (
 )
 from tidal_plan.predictors import ModeledPredictor
 from tidal_plan.search import (
+    SPLIT_RECOMPUTE,
     Choice,
     Dropped,
     SearchSpace,
@@ -220,6 +221,16 @@ def test_strict_jobs_keep_what_fixes_the_bits():
     assert relaxed.dp is None and relaxed.micro_batch_sizes == (1, 2, 4)
     pinned = job_space(_job(schedule="zb").spec, CPU)
     assert pinned.schedules == (ScheduleKind.ZERO_BUBBLE,)
+
+
+def test_zero_bubble_is_not_planned_with_checkpointing():
+    """Its W recomputes each checkpointed layer again, which the cost model does not price."""
+    layers = dataclasses.replace(job_space(_job(schedule="zb").spec, CPU), checkpointing=(True,))
+    found = choose(ModeledPredictor(ModelShape.of(_job().spec.model), CPU), layers, 2)
+    assert isinstance(found, Dropped) and found.detail == SPLIT_RECOMPUTE
+    auto = dataclasses.replace(layers, checkpointing=(False, True))
+    found = choose(ModeledPredictor(ModelShape.of(_job().spec.model), CPU), auto, 2)
+    assert isinstance(found, Choice) and not found.layout.activation_checkpointing
 
 
 def test_plan_job_covers_every_worker_count():
