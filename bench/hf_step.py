@@ -90,9 +90,11 @@ def hf_job(config: dict, seq_len: int, precision: str, *, name: str = "hf-step",
     })
 
 
-def tidal_trainer(spec: JobSpec, store: dist.Store, name: str, device: torch.device) -> Trainer:
+def tidal_trainer(spec: JobSpec, store: dist.Store, name: str, device: torch.device, *,
+                  checkpointing: bool = False) -> Trainer:
     """A pp=1 worker's trainer on ``device``: one stage holding every unit, in a world of one
-    (NCCL's on CUDA, as ``tidal agent`` builds it there; gloo's on the CPU)."""
+    (NCCL's on CUDA, as ``tidal agent`` builds it there; gloo's on the CPU), activation
+    ``checkpointing`` on or off."""
     t = spec.training
     members = ("worker-0",)
     transport = "nccl" if device.type == "cuda" else "gloo"
@@ -100,7 +102,8 @@ def tidal_trainer(spec: JobSpec, store: dist.Store, name: str, device: torch.dev
                         0, members, members[0], name=name, store=store)
     layout = build_layout(num_units=spec.model.num_units, workers=1,
                           micro_batch_size=t.micro_batch_size,
-                          num_micro_batches=t.num_micro_batches, schedule="1f1b")
+                          num_micro_batches=t.num_micro_batches, schedule="1f1b",
+                          activation_checkpointing=checkpointing)
     return Trainer(spec=spec, layout=layout, world=world, device=device)
 
 

@@ -25,13 +25,27 @@ profile measured (``profiles``); ``median_abs_error``, ``max_abs_error`` and ``c
 per worker count, measured(lowest predicted) / measured(lowest measured) - 1, the worst over
 worker counts.
 
+``memory``: the modeling-based predictor's peak memory per pipeline rank (the ``cpu``
+description; memory does not depend on its speeds) against what the trainer allocates, for
+every candidate with and without activation checkpointing. Each is a run of ``MEMORY_STEPS``
+steps (the last one with AdamW's moments) whose workers count their tensors' bytes
+(``run_local(track_memory=True)``: ``tidal_agent.measure.TensorMemory``), apart from the
+timed runs, as counting slows every operator. Per rank the signed error (pred - meas) / meas;
+``median_abs_error``, ``max_abs_error`` and ``most_under`` (the most negative) over all ranks,
+against the targets printed beside them (``MEMORY_TARGETS``). Zero-bubble with checkpointing
+is measured but left out of them (``planned: false``): the planner does not pick it, as its
+W recomputes each layer again (``tidal_plan.search.SPLIT_RECOMPUTE``). ``--memory-only`` runs this
+part alone; ``--precision`` trains the job in fp32 or bf16 instead of its own precision.
+
     python bench/predictor.py [--job examples/tiny.yaml] [--steps 8] [--rounds 5]
                               [--quiet-wait 20] [--json FILE] [--profile-dir DIR]
+                              [--memory-only] [--precision fp32|bf16]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -50,8 +64,11 @@ import yaml  # noqa: E402
 from tidal_agent.runner import run_local  # noqa: E402
 from tidal_api import ElasticTrainingJob, parse_job  # noqa: E402
 from tidal_api.layout import Layout  # noqa: E402
+from tidal_plan.devices import load_device  # noqa: E402
 from tidal_plan.layout import build_layout, even_partition  # noqa: E402
+from tidal_plan.planner import LayoutPlanner  # noqa: E402
 from tidal_plan.profiled import Profile, predict_profiled  # noqa: E402
+from tidal_plan.search import SPLIT_RECOMPUTE  # noqa: E402
 
 # (workers, schedule, micro-batch size as a multiple of the job's, partition, virtual stages)
 CANDIDATES = [
@@ -69,6 +86,9 @@ CANDIDATES = [
     (4, "gpipe", 2, None, 1),
 ]
 TINY = [CANDIDATES[0], CANDIDATES[2], CANDIDATES[6]]
+MEMORY_STEPS = 2  # the second has AdamW's moments: a step's peak from then on
+# The modeled peak against the measured one, per rank: within 10%, and never more than 5% under.
+MEMORY_TARGETS = {"max_abs_error": 0.10, "most_under": -0.05}
 
 
 def _job(doc: dict, micro_batch_size: int) -> ElasticTrainingJob:
@@ -156,6 +176,49 @@ def take_profile(job: ElasticTrainingJob, layout: Layout, quiet_wait: float):
         return json.loads(path.read_text()), load
 
 
+def memory_rows(runs: list[tuple[Layout, ElasticTrainingJob]]) -> list[dict]:
+    """Per candidate, without and with activation checkpointing: the modeled peak bytes of
+    each pipeline rank against the bytes its worker's tensors peaked at (the most of its
+    data-parallel replicas)."""
+    rows = []
+    for layout, job in runs:
+        for checkpointing in (False, True):
+            lay = dataclasses.replace(layout, activation_checkpointing=checkpointing)
+            predicted = LayoutPlanner(job, load_device("cpu")).predict(lay).peak_memory_bytes
+            report = run_local(job, lay, steps=MEMORY_STEPS, track_memory=True)
+            measured = [0] * lay.pp
+            for worker, peak in report["peak_tensor_bytes"].items():
+                rank = int(worker.rsplit("-", 1)[1]) % lay.pp
+                measured[rank] = max(measured[rank], peak)
+            errors = [(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+            split = checkpointing and lay.schedule.value == "zb"
+            rows.append({"layout": lay.describe(), "checkpointing": checkpointing,
+                         "predicted_bytes": list(predicted), "measured_bytes": measured,
+                         "errors": errors, "planned": not split,
+                         **({"not_planned": SPLIT_RECOMPUTE} if split else {})})
+    return rows
+
+
+def memory_report(rows: list[dict], precision: str) -> dict:
+    errors = [e for row in rows if row["planned"] for e in row["errors"]]
+    summary = {"median_abs_error": statistics.median(map(abs, errors)),
+               "max_abs_error": max(map(abs, errors)), "most_under": min(errors)}
+    print(f"\nmemory ({precision}): modeled peak against allocated, per rank "
+          "(MB, pred/meas, error)", file=sys.stderr)
+    for row in rows:
+        ranks = "  ".join(f"{p / 1e6:.2f}/{m / 1e6:.2f} {e:+.1%}" for p, m, e in zip(
+            row["predicted_bytes"], row["measured_bytes"], row["errors"], strict=True))
+        note = "" if row["planned"] else "  (not planned: left out)"
+        print(f"{row['layout']:40s} {ranks}{note}", file=sys.stderr)
+    for key, value in summary.items():
+        target = MEMORY_TARGETS.get(key)
+        shown = f"{value:+.1%}" if key == "most_under" else f"{value:.1%}"
+        print(f"{key}: {shown}" + (f" (target {target:+.0%})" if target else ""),
+              file=sys.stderr)
+    return {"precision": precision, "steps": MEMORY_STEPS, "device": "cpu",
+            "targets": MEMORY_TARGETS, "layouts": rows, **summary}
+
+
 def choice_gap(rows: list[dict]) -> float:
     gaps = []
     for workers in sorted({row["workers"] for row in rows}):
@@ -178,13 +241,24 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the JSON report here")
     parser.add_argument("--profile-dir", type=Path,
                         help="keep the profiles it took here (round-1.json, ...)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only the memory model's part: no profiles, no timed runs")
+    parser.add_argument("--precision", choices=["fp32", "bf16"],
+                        help="train the job in this precision (default: the job's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.tiny:
         args.steps, args.rounds, args.quiet_wait = min(args.steps, 3), 1, 0.0
     doc = yaml.safe_load(Path(args.job).read_text())
+    if args.precision:
+        doc["spec"]["training"]["precision"] = args.precision
     base_job = parse_job(doc)
     runs = candidates(doc, TINY if args.tiny else CANDIDATES)
+    memory = memory_report(memory_rows(runs), base_job.spec.training.precision)
+    if args.memory_only:
+        emit({"benchmark": "predictor", "job": base_job.metadata.name, "memory": memory},
+             args.json)
+        return
     base = candidates(doc, [(2, "1f1b", 1, None, 1)])[0][0]
     seq_len = base_job.spec.model.seq_len
 
@@ -255,11 +329,17 @@ def main() -> None:
         "median_abs_error": statistics.median(errors),
         "max_abs_error": max(errors),
         "choice_gap": choice_gap(rows),
+        "memory": memory,
     }
+    emit(report, args.json)
+
+
+def emit(report: dict, path: Path | None) -> None:
+    """Print the JSON report, and write it to ``path`` too where given."""
     text = json.dumps(report, indent=2)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
     print(text)
 
 

@@ -89,11 +89,13 @@ def main() -> None:
 @click.option("--resume", help="Resume from a checkpoint directory, or 'latest' under spec.checkpoint.path.")
 @click.option("--plan-profile", "plan_profile", type=click.Path(dir_okay=False), help="Plan layouts from this online profile (default: the modeling-based predictor).")
 @click.option("--plan-device", help="Device description for the modeling-based predictor: h100, h200, cpu or a JSON file (default: what the workers train on: cpu, or the GPU's by its name; tidal plan's default is h100).")
+@click.option("--write-device", "device_out", type=click.Path(dir_okay=False), help="After the run, write the plan device's description (JSON) with the efficiency this run measured in its first profile: mfu and, on a GPU, the memory beyond the model's count. tidal plan --device FILE reads it.")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent worker is an error.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the workers compute. auto: what --transport computes on, else cuda where CUDA is available, else cpu.")
 @click.option("--transport", type=click.Choice(["auto", *TRANSPORTS]), default="auto", show_default=True, help="How the workers talk: nccl (one worker per GPU), host (CUDA compute, gloo through pinned host memory: workers share GPUs), gloo (CPU) or nccl-model (gloo under NCCL's rules, a CPU test transport). auto: nccl on cuda, gloo on cpu.")
 def run(job_file, workers, steps, report, schedule, partition, workers_schedule, bucket_mib,
-        profile_out, resume, plan_profile, plan_device, timeout_s, device, transport) -> None:
+        profile_out, resume, plan_profile, plan_device, device_out, timeout_s, device,
+        transport) -> None:
     """Train JOB_FILE with N local worker processes and report per-step losses.
 
     The planner picks each worker count's layout (schedule where the spec says auto, and the
@@ -139,7 +141,7 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     except (JobSpecError, LayoutError, ScheduleError, DeviceError, DeviceChoiceError,
             ProfileError, ValueError) as err:
         raise click.ClickException(str(err)) from None
-    if profile_out:
+    if profile_out or device_out:  # both need a profile
         from tidal_agent.worker import profile_window
 
         try:
@@ -154,6 +156,7 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     from tidal_plan.predictors import ProfiledPredictor
 
     profiled: list[dict] = []  # per profile: layout, steps, the profiled prediction
+    first_profile: list[dict] = []  # the first profile's JSON, for --write-device
     # The trainer, after the checks: a bad manifest gets its line in a fraction of a second
     # (bad flags too where no GPU is counted: --device cpu, or a CPU transport).
     from tidal_agent.runner import (RunError, layout_report, loss_divergence, profile_accuracy,
@@ -192,6 +195,8 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             progress.update(task, completed=event["step"] + 1, description=f"loss {event['loss']:.4f}")
 
         def on_profile(event) -> None:
+            if device_out and not first_profile:
+                first_profile.append(json.loads(Path(event.path).read_text()))
             try:
                 profile = load_profile(event.path)
             except ProfileError as err:
@@ -231,6 +236,8 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             entry.pop("path")
     if result.get("profile"):
         _console.print(f"profile: {result['profile']}")
+    if device_out:
+        _write_measured_device(device_out, first_profile, job, plan_on)
     if report:
         Path(report).parent.mkdir(parents=True, exist_ok=True)
         Path(report).write_text(json.dumps(result, indent=2) + "\n")
@@ -280,6 +287,31 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
     )
     if report:
         _console.print(f"report: {report}")
+
+
+def _write_measured_device(path: str, profiles: list[dict], job: ElasticTrainingJob,
+                           base) -> None:
+    """``tidal run --write-device``: ``base`` (the plan device) with the efficiency the run's
+    first profile measured (tidal_plan.measured), written to ``path``."""
+    from tidal_plan.devices import write_device
+    from tidal_plan.measured import measured_device
+    from tidal_plan.modelshape import ModelShape
+    from tidal_plan.planner import job_device
+
+    if not profiles:
+        raise click.ClickException(f"--write-device {path}: the run took no profile to measure "
+                                   "its device by")
+    try:
+        measured = measured_device(profiles[0], ModelShape.of(job.spec.model),
+                                   job_device(job.spec, base))
+    except ProfileError as err:
+        raise click.ClickException(f"--write-device {path}: {err}") from None
+    write_device(measured, path)
+    overhead = measured.memory_overhead_bytes
+    _console.print(
+        f"device: {path} ({measured.name}: mfu {measured.mfu:.3g} of {measured.peak_flops:.4g} "
+        f"FLOP/s" + (f", {overhead / 2**30:.2f} GiB beyond the memory model" if overhead else "")
+        + ")")
 
 
 def _run_devices(device: str, transport: str, workers: int) -> Devices:

@@ -218,6 +218,8 @@ class Finished:
     peak_rss_bytes: int = 0  # the process's peak resident memory
     peak_gpu_bytes: int | None = None  # its GPU's peak allocated memory (None: a CPU)
     snapshot_bytes: dict[str, int] | None = None  # peer snapshots' peak host memory (None: off)
+    # its steps' peak of live CPU tensor bytes (WorkerOptions.track_memory; None: not tracked)
+    peak_tensor_bytes: int | None = None
 
 
 def peak_rss_bytes() -> int:
@@ -234,6 +236,7 @@ class Left:
     peak_rss_bytes: int = 0
     peak_gpu_bytes: int | None = None  # as Finished's
     snapshot_bytes: dict[str, int] | None = None
+    peak_tensor_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,16 +7,21 @@ and reads the seconds between two marks later: reading waits until the device ha
 later mark, which costs nothing where the reader comes after a synchronisation (the profiler
 and the layer clock read theirs after the step's end). ``MemoryPeaks`` reads the device's peak
 allocated memory over measurement windows; a CPU has none to report (None, not a number).
+Where a CPU run's memory is asked for (a benchmark of the memory model), ``TensorMemory``
+counts the bytes of the tensors it allocates instead.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 class Mark(Protocol):
@@ -111,3 +116,58 @@ class MemoryPeaks:
     def run(self) -> int | None:
         window = self.window()
         return None if window is None else max(self._before, window)
+
+
+class TensorMemory(TorchDispatchMode):
+    """The bytes of CPU tensor storages alive, and their peak, counted as operators make them.
+
+    A CPU has no allocator statistics such as CUDA's ``max_memory_allocated``. Under this mode
+    (in the thread that enters it, and the autograd engine's work for it) every CPU tensor an
+    operator returns is counted once per storage, from the operator that made it until the
+    storage is freed; views share their base's count. Tensors made before ``__enter__``
+    count once given to ``track``. What libraries allocate outside torch's operators
+    (gloo's buffers, kernels' scratch space) is not counted. ``reset_peak`` starts a window:
+    ``peak`` is the most alive at once since.
+
+    Every operator goes through Python: worth it for a run that measures memory, not for one
+    that measures time.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}  # id(storage) -> its bytes, while it lives
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count ``tensors`` (made before the mode was entered) from now on."""
+        for t in tensors:
+            self._count(t)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _count(self, t: Any) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse:
+            return
+        storage = t.untyped_storage()
+        key, size = id(storage), storage.nbytes()
+        known = self._sizes.get(key)
+        if known is None:
+            self._refs[key] = weakref.ref(storage, partial(self._freed, key))
+        elif known == size:
+            return
+        self._sizes[key] = size
+        self.live += size - (known or 0)
+        self.peak = max(self.peak, self.live)
+
+    def _freed(self, key: int, _ref: weakref.ref) -> None:
+        self.live -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self._count(t)
+        return out

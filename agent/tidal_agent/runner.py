@@ -104,6 +104,7 @@ def run_elastic(
     sharing_probe: bool = True,
     on_profile: Callable[[Profiled], None] | None = None,
     devices: Devices = Devices(),
+    track_memory: bool = False,
 ) -> dict[str, Any]:
     """Train ``job`` up to step ``steps``, switching layout live at each generation.
 
@@ -119,7 +120,8 @@ def run_elastic(
     With ``profile_out`` every generation profiles its first steps (``on_profile`` hears of
     each), and the first profile gets the host's sharing probe unless ``sharing_probe`` is
     off. ``devices``: where the workers compute and how they talk (default: the CPU, gloo);
-    worker ``i`` binds ``devices.gpu(i)``.
+    worker ``i`` binds ``devices.gpu(i)``. ``track_memory``: CPU workers count their tensors'
+    bytes (``WorkerOptions.track_memory``; the report's ``peak_tensor_bytes``), slower.
     """
     workers = all_workers(gens)
     devices.check(len(workers))
@@ -151,6 +153,7 @@ def run_elastic(
         unit_seconds=tuple(unit_seconds or ()),
         slowdown=tuple(slowdown),
         watch_stragglers=watch_stragglers,
+        track_memory=track_memory,
     )
     ctx = worker_processes(fresh_interpreters)
     events = ctx.Queue()
@@ -208,6 +211,8 @@ def run_elastic(
         # per worker: its GPU's peak allocated bytes (null on a CPU), and its peer snapshots'
         # peak host memory, {pinned, pageable} (null without snapshots)
         "peak_gpu_bytes": dict(sorted(collected.peak_gpu.items())),
+        # per worker: its steps' peak of live CPU tensor bytes (null unless track_memory)
+        "peak_tensor_bytes": dict(sorted(collected.peak_tensor.items())),
         "snapshot_bytes": dict(sorted(collected.snapshot_bytes.items())),
         "profile": collected.profile,  # the first generation's
         # per profile (each generation's first steps): path, layout, steps [first, last)
@@ -269,6 +274,7 @@ class _Collected(Listener):
         # per worker ready: where it trains (device, backend, transport, determinism)
         self.setup: dict[str, dict[str, Any]] = {}
         self.peak_gpu: dict[str, int | None] = {}
+        self.peak_tensor: dict[str, int | None] = {}
         self.snapshot_bytes: dict[str, dict[str, int] | None] = {}
 
     def on_failed(self, event: Failed) -> None:
@@ -317,6 +323,7 @@ class _Collected(Listener):
         self.finished.add(event.worker)
         self.peak_rss[event.worker] = event.peak_rss_bytes
         self.peak_gpu[event.worker] = event.peak_gpu_bytes
+        self.peak_tensor[event.worker] = event.peak_tensor_bytes
         self.snapshot_bytes[event.worker] = event.snapshot_bytes
 
     def on_ready(self, event: Ready) -> None:

@@ -66,7 +66,7 @@ from tidal_agent.devices import WorkerDevice, prepare_worker
 from tidal_agent.events import (Checkpointed, EventSink, Failed, Finished, Halted, Left,
                                 Profiled, Ready, Reconfigured, Recovered, Released, Stepped,
                                 peak_rss_bytes)
-from tidal_agent.measure import Clock, MemoryPeaks
+from tidal_agent.measure import Clock, MemoryPeaks, TensorMemory
 from tidal_agent.optim import ClipMode
 from tidal_agent.profiler import UnitProfiler, build_profile
 from tidal_agent.protocol import GenerationSource, Halt, LeaderLost, Recovery, StaticGenerations
@@ -118,6 +118,10 @@ class WorkerOptions:
     # the next step boundary, once its peer snapshot is with its keeper; the leader, which
     # hosts the rendezvous, halts the job there (its source says so: ``Halt``).
     stop: threading.Event | None = None
+    # On a CPU: count the bytes of the tensors this worker allocates (measure.TensorMemory)
+    # and report its steps' peak (Finished.peak_tensor_bytes). Every operator then goes
+    # through Python: for a benchmark of the memory model, not a timed run.
+    track_memory: bool = False
 
 
 def profile_window(steps: int) -> tuple[int, int]:
@@ -170,6 +174,9 @@ class _Worker:
         self.source = source
         self.where, self.device = device, device.device
         self.peaks = MemoryPeaks(self.device)  # GPU memory: the run's, the switch's, the profile's
+        self.tensors = (TensorMemory() if opts.track_memory and self.device.type == "cpu"
+                        else None)
+        self._tensor_peak = 0  # the steps' peak of self.tensors
         self.metas = state_metadata(spec.model)
         self.state_names = [meta.name for meta in self.metas]  # a checkpoint's, in order
         self.snapshots = (PeerSnapshots(self.metas, self.device, every=opts.snapshot_every)
@@ -193,7 +200,8 @@ class _Worker:
         """What this worker's memory peaked at so far: its process's, its GPU's (None on a CPU)
         and its peer snapshots' host memory (None without them), for its last event."""
         return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": self.peaks.run(),
-                "snapshot_bytes": self.snapshots.peak_bytes if self.snapshots else None}
+                "snapshot_bytes": self.snapshots.peak_bytes if self.snapshots else None,
+                "peak_tensor_bytes": self._tensor_peak if self.tensors else None}
 
     @property
     def _stopping(self) -> bool:
@@ -207,6 +215,10 @@ class _Worker:
         return trainer
 
     def run(self) -> None:
+        with self.tensors or contextlib.nullcontext():  # from before the first tensor
+            self._run()
+
+    def _run(self) -> None:
         started = self.source.start(self.me)
         if started is None:  # let go from standby before any generation needed it
             self.events.put(Left(worker=self.me, step=None, **self._memory()))
@@ -438,7 +450,11 @@ class _Worker:
             if member == self.me:
                 trainer.slow_down(factor if begin <= step < end else 1.0)
         started = time.perf_counter()
+        if self.tensors is not None:
+            self.tensors.reset_peak()
         result = trainer.step(step)
+        if self.tensors is not None:  # the step's own, before a profile's calibration
+            self._tensor_peak = max(self._tensor_peak, self.tensors.peak)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started

@@ -20,7 +20,9 @@ class Costs:
 
     A full backward B costs ``input_grad + weight_grad``. ``comm`` is the latency of one
     message; ``activation_bytes`` what one micro-batch's forward keeps alive on a stage until
-    its B (or W) frees it.
+    its B (or W) frees it; ``held_for_weight_bytes`` what a split backward's I keeps for its W
+    (the gradients at the stage's matmul outputs); ``retained_bytes`` what a micro-batch's
+    backward leaves on its stage until the step's end (the runtime's sent messages).
     """
 
     forward: PerStage = 1.0
@@ -28,9 +30,11 @@ class Costs:
     weight_grad: PerStage = 1.0
     comm: float = 0.0
     activation_bytes: PerStage = 1.0
+    held_for_weight_bytes: PerStage = 0.0
+    retained_bytes: PerStage = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "input_grad", "weight_grad", "activation_bytes"):
+        for name in _PER_STAGE:
             value = getattr(self, name)
             values = tuple(value) if isinstance(value, Sequence) else (value,)
             if not values or any(v < 0 for v in values):
@@ -42,7 +46,7 @@ class Costs:
 
     def check(self, num_stages: int) -> None:
         """Raise ``ValueError`` unless every per-stage tuple has ``num_stages`` entries."""
-        for name in ("forward", "input_grad", "weight_grad", "activation_bytes"):
+        for name in _PER_STAGE:
             value = getattr(self, name)
             if isinstance(value, tuple) and len(value) != num_stages:
                 raise ValueError(
@@ -65,6 +69,25 @@ class Costs:
 
     def activation(self, stage: int) -> float:
         return _at(self.activation_bytes, stage)
+
+    def memory_change(self, kind: Kind, stage: int) -> float:
+        """What ``kind`` on ``stage`` adds to its rank's memory (negative: frees): F keeps its
+        activations, I what W needs, B and W free them and leave what stays to the step's end.
+        One expression per kind, so that every simulation adds the same numbers to the bit."""
+        if kind is Kind.F:
+            return _at(self.activation_bytes, stage)
+        if kind is Kind.I:
+            return _at(self.held_for_weight_bytes, stage)
+        if kind is Kind.B:
+            return _at(self.retained_bytes, stage) - _at(self.activation_bytes, stage)
+        if kind is Kind.W:
+            return (_at(self.retained_bytes, stage) - _at(self.activation_bytes, stage)
+                    - _at(self.held_for_weight_bytes, stage))
+        return 0.0
+
+
+_PER_STAGE = ("forward", "input_grad", "weight_grad", "activation_bytes",
+              "held_for_weight_bytes", "retained_bytes")
 
 
 def _at(value: PerStage, stage: int) -> float:

@@ -23,10 +23,14 @@ from tidal_plan.devices import Device
 from tidal_plan.estimate import estimate_step
 from tidal_plan.modelshape import (
     ModelShape,
-    unit_activation_bytes,
+    korthikanti_activation_bytes,
+    unit_backward_bytes,
     unit_expert_params,
     unit_flops,
+    unit_matmul_weights,
+    unit_output_grad_bytes,
     unit_params,
+    unit_saved_bytes,
 )
 
 
@@ -43,11 +47,17 @@ class Sharding:
     experts (expert parallelism: an all-to-all sends each token to its experts and back).
     ``distributed_optimizer`` shards AdamW state over the GPUs that hold the same parameters
     (ZeRO-1, Megatron's distributed optimizer). Tensor parallelism is not modelled.
+
+    None of these is Tidal's trainer's: ``megatron`` prices memory as Megatron-LM keeps a
+    model (bf16 parameters and activations, ``korthikanti_activation_bytes``) rather than as
+    Tidal's trainer does (fp32 parameters under bf16 autocast, its runtime's buffers:
+    ``tidal_plan.modelshape``), for the systems whose presets the planner prices (FlexTrain).
     """
 
     cp: int = 1
     ep: int = 1
     distributed_optimizer: bool = False
+    megatron: bool = False
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.ep < 1:
@@ -82,7 +92,10 @@ class UnitCosts:
     optimizer state), ``activation_bytes`` what one micro-batch's forward keeps for its backward;
     ``grad_bytes`` are the gradients the data-parallel reduction moves, weighted by the share of
     the ring each crosses. ``recompute_bytes`` is what a checkpointed unit holds for a moment
-    while it recomputes its forward in the backward (0 for a unit that is not checkpointed).
+    while it recomputes its forward in the backward (0 for a unit that is not checkpointed),
+    ``backward_bytes`` what its backward holds for a moment beyond that (gradients of its
+    widest intermediates, of the logits, of its largest weight), ``held_for_weight_bytes``
+    what a split backward's I keeps for its W.
     """
 
     forward_s: float
@@ -92,6 +105,8 @@ class UnitCosts:
     state_bytes: float
     allreduce_bytes: float
     recompute_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    held_for_weight_bytes: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -120,9 +135,12 @@ def unit_costs(
     K and V (``2 tokens d`` elements per hop, ``cp - 1`` hops; twice that backward) and expert
     parallelism sends each token's hidden state to its ``top_k`` experts and back
     (``(ep - 1) / ep`` of them remote), forward and backward, over NVLink within a node
-    and ``p2p_bandwidth`` across nodes. A decoder layer under activation ``checkpointing``
-    keeps only its input (fp32, as the agent passes the hidden state between units) and runs
-    its forward again in the backward, before its input gradient.
+    and ``p2p_bandwidth`` across nodes. Memory is what the trainer holds
+    (``tidal_plan.modelshape``): a micro-batch's saved tensors, its bf16 weight copies under
+    autocast (of the GPU's own experts only), and what the backward holds for a moment. A
+    decoder layer under activation ``checkpointing`` keeps only its output (fp32, as the agent
+    passes the hidden state between units, the next unit's input) and runs its forward again
+    in the backward, before its input gradient.
     """
     tokens = micro_batch_size * shape.seq_len / sharding.cp
     dtype = device.dtype_bytes
@@ -151,7 +169,16 @@ def unit_costs(
     )
     allreduce = dtype * (dense * _ring(replicas) + local_experts * _ring(expert_replicas))
     forward_s = flops.forward / rate + comm
-    activations = unit_activation_bytes(shape, unit, micro_batch_size, dtype) / sharding.cp
+    if sharding.megatron:
+        activations = korthikanti_activation_bytes(shape, unit, micro_batch_size,
+                                                   dtype) / sharding.cp
+        backward = held_for_weight = 0.0
+    else:
+        copied = unit_matmul_weights(shape, unit) - experts * (1 - 1 / sharding.ep)
+        activations = (unit_saved_bytes(shape, unit, micro_batch_size, dtype) / sharding.cp
+                       + (2 * copied if dtype == 2 else 0.0))
+        backward = unit_backward_bytes(shape, unit, tokens, dtype)
+        held_for_weight = unit_output_grad_bytes(shape, unit, tokens, dtype)
     recompute = checkpointing and shape.unit_kind(unit) == "block"
     return UnitCosts(
         forward_s=forward_s,
@@ -161,6 +188,8 @@ def unit_costs(
         state_bytes=state,
         allreduce_bytes=allreduce,
         recompute_bytes=activations if recompute else 0.0,
+        backward_bytes=backward,
+        held_for_weight_bytes=held_for_weight,
     )
 
 
@@ -209,21 +238,44 @@ def _stage_slices(layout: Layout) -> list[slice]:
     return list(itertools.starmap(slice, itertools.pairwise(edges)))
 
 
-def stage_costs(units: Sequence[UnitCosts], layout: Layout, comm: float) -> Costs:
-    """The dry run's per-stage costs of ``layout``: each stage sums its units."""
+def stage_costs(units: Sequence[UnitCosts], layout: Layout, comm: float,
+                message: float = 0.0) -> Costs:
+    """The dry run's per-stage costs of ``layout``: each stage sums its units.
+
+    Where stages talk across ranks, each pipeline message is a ``message``-byte buffer: a
+    stage keeps the input it received until its backward, and the runtime keeps what it sent
+    (its output, its input gradient) until the step's end, where it waits for its sends."""
     stage_units = _stage_slices(layout)
+    last = layout.num_stages - 1
 
     def per_stage(field: str) -> tuple[float, ...]:
         column = list(map(operator.attrgetter(field), units))
         return tuple(map(sum, map(column.__getitem__, stage_units)))
 
+    apart = message if layout.pp > 1 else 0.0
     return Costs(
         forward=per_stage("forward_s"),
         input_grad=per_stage("input_grad_s"),
         weight_grad=per_stage("weight_grad_s"),
         comm=comm,
-        activation_bytes=per_stage("activation_bytes"),
+        activation_bytes=tuple(a + (apart if s > 0 else 0.0)
+                               for s, a in enumerate(per_stage("activation_bytes"))),
+        # A first stage has no input gradient: its W is the whole backward. Another's I also
+        # makes the input gradient it sends.
+        held_for_weight_bytes=(0.0, *(g + apart for g in per_stage("held_for_weight_bytes")[1:])),
+        retained_bytes=tuple(apart * ((s > 0) + (s < last)) for s in range(last + 1)),
     )
+
+
+def message_bytes(shape: ModelShape, micro_batch_size: int,
+                  sharding: Sharding = NO_SHARDING) -> float:
+    """A pipeline message's buffer on each GPU that Tidal's runtime keeps: its share of one
+    micro-batch's hidden state, fp32 (the trainer passes the hidden state between units and
+    ranks in fp32). None counted for ``Sharding.megatron``."""
+    if sharding.megatron:
+        return 0.0
+    return micro_batch_size * shape.seq_len / sharding.cp * shape.d_model * 4
+
 
 
 def message_seconds(
@@ -247,7 +299,8 @@ def model_costs(
     _check_layout(shape, layout)
     units = layout_unit_costs(shape, layout, device, sharding)
     return stage_costs(units, layout, message_seconds(shape, layout.micro_batch_size, device,
-                                                      sharding))
+                                                      sharding),
+                       message_bytes(shape, layout.micro_batch_size, sharding))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -273,7 +326,8 @@ class StepModel:
     """A layout's step before its dry run: the pipeline's costs and what follows it.
 
     ``after_pipeline_s`` (the all-reduce and the optimizer) adds to the simulated makespan;
-    ``state_bytes`` is each pipeline rank's memory before activations.
+    ``state_bytes`` is each pipeline rank's memory besides the dry run's: its state and the
+    most its backward holds for a moment.
     """
 
     costs: Costs
@@ -321,19 +375,35 @@ def step_model(
         return [total(itertools.chain.from_iterable(stages[rank::layout.pp]))
                 for rank in range(layout.pp)]
 
-    # A rank's checkpointed units recompute one at a time: the largest one's activations.
-    recompute = per_rank([u.recompute_bytes for u in units], max)
     held = per_rank([u.state_bytes for u in units])
-    state = tuple(s + r for s, r in zip(held, recompute, strict=True))
+    transient = per_rank(list(_backward_peaks(units, stage_units)), max)
+    state = tuple(s + t + device.memory_overhead_bytes
+                  for s, t in zip(held, transient, strict=True))
     moved = max(per_rank([u.allreduce_bytes for u in units]))
     return StepModel(
-        costs=stage_costs(units, layout, comm),
+        costs=stage_costs(units, layout, comm,
+                          message_bytes(shape, layout.micro_batch_size, sharding)),
         allreduce_s=moved / device.p2p_bandwidth,
         optimizer_s=2 * max(held) / device.memory_bandwidth,
         state_bytes=state,
         tokens=layout.dp * layout.num_micro_batches * layout.micro_batch_size * shape.seq_len,
         memory_bytes=device.memory_bytes,
     )
+
+
+def _backward_peaks(units: Sequence[UnitCosts], stage_units: Sequence[slice]
+                    ) -> Iterable[float]:
+    """Per unit, what its backward adds for a moment to the activations a rank holds: its
+    recomputed activations (checkpointing) and backward working set, less the activations of
+    the units after it on its stage, which their backward has freed by then."""
+    for units_of in stage_units:
+        stage = units[units_of]
+        freed = 0.0
+        peaks = []
+        for unit in reversed(stage):
+            peaks.append(max(0.0, unit.recompute_bytes + unit.backward_bytes - freed))
+            freed += unit.activation_bytes
+        yield from reversed(peaks)
 
 
 def predict(
@@ -345,9 +415,10 @@ def predict(
     (ring over the GPUs holding each parameter, over ``p2p_bandwidth``, not overlapped with
     the backward), then the optimizer step (memory-bound: AdamW reads and writes each GPU's
     whole state once, over ``memory_bandwidth``). Ranks run in parallel, so each phase costs
-    its slowest rank. Memory is a GPU's state plus the dry run's peak of live activations;
-    CUDA context, workspaces, communication buffers and fragmentation are not counted, so
-    leave headroom.
+    its slowest rank. Memory is a GPU's state, the dry run's peak of what micro-batches in
+    flight keep (activations, what a split backward keeps for W, pipeline messages) and the
+    most a unit's backward holds for a moment, plus the device's ``memory_overhead_bytes``
+    (zero but where a run measured it: CUDA's workspaces, NCCL's buffers, fragmentation).
     """
     model = step_model(shape, layout, device, sharding)
     sim = estimate_step(layout, model.costs)

@@ -228,11 +228,8 @@ class _Replay:
             self.available[action] = end
             self.busy += end - start
             start = end
-            if kind is Kind.F:
-                self.memory[rank] += self.costs.activation(stage)
-                self.peak[rank] = max(self.peak[rank], self.memory[rank])
-            elif kind in (Kind.B, Kind.W):
-                self.memory[rank] -= self.costs.activation(stage)
+            self.memory[rank] += self.costs.memory_change(kind, stage)
+            self.peak[rank] = max(self.peak[rank], self.memory[rank])
         self.clock[rank] = start
 
     def _grid(self, deadlock: bool) -> str:
@@ -367,9 +364,6 @@ class _SharedReplay(_Replay):
         self.available[action] = now
         self.busy += now - self.started[rank]
         self.clock[rank] = now
-        if action.kind is Kind.F:
-            self.memory[rank] += self.costs.activation(action.stage)
-            self.peak[rank] = max(self.peak[rank], self.memory[rank])
-        elif action.kind in (Kind.B, Kind.W):
-            self.memory[rank] -= self.costs.activation(action.stage)
+        self.memory[rank] += self.costs.memory_change(action.kind, action.stage)
+        self.peak[rank] = max(self.peak[rank], self.memory[rank])
         self.pc[rank] += 1

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from tidal_api.layout import Layout, ScheduleKind
 from tidal_plan.actioncosts import Costs, per_stage
 from tidal_plan.dryrun import DeadlockError
+from tidal_plan.ir import Kind
 from tidal_plan.schedules import interleaved_order, rank_kinds
 
 
@@ -53,40 +54,40 @@ def _replay(layout: Layout, costs: Costs) -> tuple[float, float, tuple[float, ..
     f = per_stage(costs.forward, stages)
     i = per_stage(costs.input_grad, stages)
     w = per_stage(costs.weight_grad, stages)
-    act = per_stage(costs.activation_bytes, stages)
     arrival = [-1.0] * (2 * stages * m) + [0.0] * m
     if layout.schedule is ScheduleKind.INTERLEAVED:
         orders = interleaved_order(layout)
         timelines = [_chunk_timeline(kinds, on, arrival, layout, f, i, w, costs.comm)
                      for kinds, on in orders]
-        peak = _chunk_peaks(orders, act)
+        peak = _chunk_peaks(orders, costs)
     else:
         kinds_of = rank_kinds(layout)
         timelines = [_stage_timeline(rank, kinds, arrival, layout, f, i, w, costs.comm)
                      for rank, kinds in enumerate(kinds_of)]
-        peak = _stage_peaks(kinds_of, act)
+        peak = _stage_peaks(kinds_of, costs)
     busy = m * (math.fsum(f) + math.fsum(i) + math.fsum(w))
     return max(_run(layout, timelines)), busy, peak
 
 
-def _stage_peaks(kinds_of: list[str], act: list[float]) -> tuple[float, ...]:
-    """Each rank's peak activation bytes, one stage per rank: a rank's memory depends on its
-    order alone. A forward keeps its activations, B or W frees them (x + -a is x - a to the
-    bit) and I neither (x + 0.0 is x: I is left out). Less their I, ZB-H1's ranks run one
-    order, so ranks whose stages keep as much share a peak."""
+def _stage_peaks(kinds_of: list[str], costs: Costs) -> tuple[float, ...]:
+    """Each rank's peak memory, one stage per rank: a rank's memory depends on its order
+    alone, each action adding ``Costs.memory_change`` as the dry run does (so the same
+    numbers to the bit). Ranks whose stages keep as much and run one order share a peak."""
 
     @functools.cache
-    def peak(kept: float, kinds: str) -> float:
-        memory = map({"F": kept, "B": -kept, "W": -kept}.__getitem__, kinds)
-        return max(itertools.accumulate(memory, initial=0.0))
+    def peak(changes: tuple[float, ...], kinds: str) -> float:
+        change = dict(zip("FIBW", changes, strict=True))
+        return max(itertools.accumulate(map(change.__getitem__, kinds), initial=0.0))
 
-    return tuple(peak(a, kinds.replace("I", "")) for a, kinds in zip(act, kinds_of, strict=True))
+    return tuple(peak(tuple(costs.memory_change(Kind(k), stage) for k in "FIBW"), kinds)
+                 for stage, kinds in enumerate(kinds_of))
 
 
-def _chunk_peaks(orders: list[tuple[str, list[int]]], act: list[float]) -> tuple[float, ...]:
-    """``_stage_peaks`` for ranks of several stages (interleaved): F keeps, B frees."""
-    kept = {**{("F", s): a for s, a in enumerate(act)}, **{("B", s): -a for s, a in enumerate(act)}}
-    return tuple(max(itertools.accumulate(map(kept.__getitem__, zip(kinds, on)), initial=0.0))
+def _chunk_peaks(orders: list[tuple[str, list[int]]], costs: Costs) -> tuple[float, ...]:
+    """``_stage_peaks`` for ranks of several stages (interleaved: F and B only)."""
+    stages = {s for _, on in orders for s in on}
+    change = {(k, s): costs.memory_change(Kind(k), s) for k in "FB" for s in stages}
+    return tuple(max(itertools.accumulate(map(change.__getitem__, zip(kinds, on)), initial=0.0))
                  for kinds, on in orders)
 
 

@@ -54,6 +54,7 @@ class ModelShape:
     mlp_bias: bool = True
     qk_norm: bool = False
     positions: int | None = -1  # -1: learned, seq_len of them; None: rotary, no table
+    dropout: bool = False  # the built-in GPT's dropout (its masks are kept for the backward)
 
     def __post_init__(self) -> None:
         for name in ("layers", "d_model", "heads", "vocab", "seq_len", "mlp_ratio"):
@@ -88,7 +89,8 @@ class ModelShape:
         sizes = dict(layers=model.layers, d_model=model.d_model, heads=model.heads,
                      vocab=model.vocab, seq_len=model.seq_len)
         if model.huggingface is None:
-            return cls(**sizes, mtp_heads=model.mtp_heads, mlp_ratio=model.mlp_ratio)
+            return cls(**sizes, mtp_heads=model.mtp_heads, mlp_ratio=model.mlp_ratio,
+                       dropout=model.dropout > 0)
         config = model.huggingface.config
         kind = config["model_type"]
         if kind == "gpt2":  # the built-in GPT's layout, with its own FFN width and positions
@@ -110,6 +112,11 @@ class ModelShape:
     def attention_width(self) -> int:
         """Heads times the head size: the queries' width (d_model unless set apart)."""
         return self.heads * (self.head_dim or self.d_model // self.heads)
+
+    @property
+    def kv_width(self) -> int:
+        """Keys' (and values') width: the key-value heads times the head size."""
+        return (self.kv_heads or self.heads) * (self.attention_width // self.heads)
 
     @property
     def hidden(self) -> int:
@@ -151,8 +158,7 @@ def _expert_params(d: int, hidden: int) -> int:
 
 def _attention_params(shape: ModelShape) -> int:
     """q, k, v and the output projection (4d^2 + 4d for the built-in GPT), q/k norms."""
-    d, width = shape.d_model, shape.attention_width
-    kv = (shape.kv_heads or shape.heads) * (width // shape.heads)
+    d, width, kv = shape.d_model, shape.attention_width, shape.kv_width
     qkv = d * (width + 2 * kv) + (width + 2 * kv if shape.qkv_bias else 0)
     out = width * d + (d if shape.out_bias else 0)
     return qkv + out + (2 * (width // shape.heads) if shape.qk_norm else 0)
@@ -238,6 +244,114 @@ def unit_flops(shape: ModelShape, unit: int, tokens: int) -> UnitFlops:
 
 
 # --- memory --------------------------------------------------------------------------------------
+#
+# What Tidal's trainer holds, counted tensor by tensor from what autograd saves in its units
+# (tidal_agent.model, tidal_agent.hf) and checked on the CPU against the bytes the trainer
+# allocates (bench/predictor.py, tidal_agent.measure.TensorMemory). Two facts of the trainer
+# shape every count: the hidden state between units and inside a block's residual stream is
+# fp32 whatever the precision, and parameters are fp32, so that under bf16 autocast every
+# matmul casts its input (each matmul its own copy) and its weight to bf16 and keeps both, and
+# norms run in fp32. ``a`` below is an activation element's size: 2 under bf16 autocast, 4 in
+# fp32; counts are per token.
+
+
+def _norm_bytes(shape: ModelShape, consumers: int, a: int) -> float:
+    """A norm and the input its ``consumers`` matmuls keep: LayerNorm keeps its mean and
+    reciprocal deviation (its input is the residual, counted where it is made); RMSNorm also
+    its normalised fp32 input. In fp32 the matmuls keep the norm's output itself, under bf16
+    autocast one bf16 copy each."""
+    d = shape.d_model
+    own = 4 * d + 4 if shape.norm_vectors == 1 else 8
+    return own + (4 * d if a == 4 else consumers * 2 * d)
+
+
+def _attention_bytes(shape: ModelShape, a: int, flash_attention: bool) -> float:
+    """Attention: the norm, queries, keys and values as attention keeps them (rotary ones
+    made fp32 by the fp32 position table, then cast back under autocast), its output (the
+    output projection's input) and log-sum-exp; without flash attention also the scores and
+    probabilities."""
+    width, kv = shape.attention_width, shape.kv_width
+    rotary = shape.positions is None  # the HF families: q, k and v apart, rotary positions
+    out = _norm_bytes(shape, 3 if rotary else 1, a) + a * (2 * width + 2 * kv)
+    out += 4 * shape.heads  # log-sum-exp, fp32
+    if shape.qk_norm:  # RMSNorm on each head's queries and keys: their fp32 normalised copies
+        out += 4 * (width + kv)
+    if not flash_attention:
+        out += 2 * a * shape.heads * shape.seq_len
+    return out
+
+
+def _mlp_bytes(shape: ModelShape, a: int) -> float:
+    """The MLP: its norm and the widest intermediates (GELU's input and output; gate, up,
+    their activation and product for a gated MLP); an MoE MLP keeps the router's fp32 scores
+    and, per expert a token visits, its copy of the token and the expert's GELU input and
+    output."""
+    if shape.is_moe:
+        visits = shape.top_k + shape.shared_experts
+        per_visit = a * (shape.d_model + 2 * (shape.expert_hidden or 0))
+        return _norm_bytes(shape, 1, a) + 4 * shape.experts + visits * per_visit
+    gated = shape.gated_mlp
+    return _norm_bytes(shape, 2 if gated else 1, a) + (4 if gated else 2) * a * shape.hidden
+
+
+def unit_matmul_weights(shape: ModelShape, unit: int) -> int:
+    """The weights of ``unit``'s matmuls: what autocast copies to bf16 (every expert's: each
+    sees tokens in a micro-batch of any size)."""
+    d, kind = shape.d_model, shape.unit_kind(unit)
+    if kind == "embed":
+        return 0  # a lookup, which autocast leaves in fp32
+    if kind == "head":
+        return d * shape.vocab
+    width, kv = shape.attention_width, shape.kv_width
+    attention = d * (width + 2 * kv) + width * d
+    if shape.is_moe:
+        hidden = shape.expert_hidden or 0
+        return attention + d * shape.experts + (
+            shape.experts + shape.shared_experts) * 2 * d * hidden
+    return attention + (3 if shape.gated_mlp else 2) * d * shape.hidden
+
+
+def unit_saved_bytes(
+    shape: ModelShape,
+    unit: int,
+    micro_batch_size: int,
+    dtype_bytes: int,
+    *,
+    flash_attention: bool = True,
+) -> float:
+    """Bytes one micro-batch's forward of ``unit`` leaves until its backward frees them: what
+    autograd keeps and the unit's output (the fp32 hidden state, which the next unit keeps as
+    its input), without the bf16 weight copies (``unit_weight_copy_bytes``).
+
+    A decoder block keeps, per token: two fp32 residual-stream tensors (after attention, and
+    its output), attention's and the MLP's parts (``_attention_bytes``, ``_mlp_bytes``), and
+    with dropout its masks. ``flash_attention`` (SDPA's fused kernels, on a GPU as on the CPU)
+    keeps no score matrix. A loss head keeps its norm and matmul input, the fp32 log-softmax
+    of the logits (the loss is computed in fp32), the targets (int64) and its output (a copy
+    of its input, which the model's last unit drops); the embedding its output and the token
+    ids. ``dtype_bytes`` is 2 for bf16
+    autocast, 4 for fp32.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) must be at least 1")
+    a = dtype_bytes
+    tokens = micro_batch_size * shape.seq_len
+    d, kind = shape.d_model, shape.unit_kind(unit)
+    output = 4 * d if unit < shape.num_units - 1 else 0  # the last unit's is dropped at once
+    if kind == "embed":
+        per_token = 4 * d + 8 + (4 * d if shape.dropout else 0)
+    elif kind == "head":
+        per_token = _norm_bytes(shape, 1, a) + 4 * shape.vocab + 8 + output
+    else:
+        per_token = (8 * d + _attention_bytes(shape, a, flash_attention) + _mlp_bytes(shape, a)
+                     + (2 * a * d if shape.dropout else 0))
+    return float(tokens * per_token)
+
+
+def unit_weight_copy_bytes(shape: ModelShape, unit: int, dtype_bytes: int) -> float:
+    """The bf16 copies of ``unit``'s matmul weights that one micro-batch's forward under
+    autocast keeps for its backward (the weights are fp32); none in fp32."""
+    return 2.0 * unit_matmul_weights(shape, unit) if dtype_bytes == 2 else 0.0
 
 
 def unit_activation_bytes(
@@ -248,17 +362,77 @@ def unit_activation_bytes(
     *,
     flash_attention: bool = True,
 ) -> float:
-    """Bytes one micro-batch's forward of ``unit`` keeps until its backward frees them.
+    """Bytes one micro-batch's forward of ``unit`` keeps until its backward: its saved tensors
+    and output (``unit_saved_bytes``) and its bf16 weight copies (``unit_weight_copy_bytes``).
+    """
+    return (unit_saved_bytes(shape, unit, micro_batch_size, dtype_bytes,
+                             flash_attention=flash_attention)
+            + unit_weight_copy_bytes(shape, unit, dtype_bytes))
+
+
+def unit_backward_bytes(shape: ModelShape, unit: int, tokens: float, dtype_bytes: int) -> float:
+    """Bytes ``unit``'s backward holds at once beyond what the forward kept, the larger of:
+    the gradients of its widest intermediates (a loss head's two fp32 gradients of the logits
+    in log-softmax's backward; a block's MLP: two, three for a gated MLP's product, per expert
+    visit for MoE) and the gradient of its largest weight before it is added to ``.grad`` (in
+    bf16, also its fp32 copy). ``tokens``: the micro-batch's, or a GPU's share of them."""
+    a, d, kind = dtype_bytes, shape.d_model, shape.unit_kind(unit)
+    per_weight = 6 if a == 2 else 4
+    if kind == "embed":
+        return 0.0
+    if kind == "head":
+        return float(max(tokens * 8 * shape.vocab, per_weight * d * shape.vocab))
+    if shape.is_moe:
+        hidden = shape.expert_hidden or 0
+        visits = shape.top_k + shape.shared_experts
+        return float(max(tokens * 2 * a * hidden * visits, per_weight * d * hidden))
+    widest = (3 if shape.gated_mlp else 2) * a * shape.hidden
+    return float(max(tokens * widest, per_weight * d * shape.hidden))
+
+
+def unit_output_grad_bytes(shape: ModelShape, unit: int, tokens: float, dtype_bytes: int
+                           ) -> float:
+    """Bytes a split backward's input half (I) leaves for the weight half (W): the gradients
+    at ``unit``'s matmul outputs (queries, keys and values, the attention's and the MLP's
+    projections: gate and up apart, per expert visit for MoE; the logits) and, fp32, at its
+    norms' outputs; less what I frees, a loss head's log-softmax output. The embedding has
+    none (a first stage's backward is all W)."""
+    a, d, kind = dtype_bytes, shape.d_model, shape.unit_kind(unit)
+    if kind == "embed":
+        return 0.0
+    if kind == "head":
+        return float(tokens * max(0, a * shape.vocab + 4 * d - 4 * shape.vocab))
+    width, kv = shape.attention_width, shape.kv_width
+    attention = width + 2 * kv + d
+    if shape.is_moe:
+        visits = shape.top_k + shape.shared_experts
+        mlp = shape.experts + visits * ((shape.expert_hidden or 0) + d)
+    else:
+        mlp = (2 if shape.gated_mlp else 1) * shape.hidden + d
+    return float(tokens * (a * (attention + mlp) + 2 * 4 * d))
+
+
+def korthikanti_activation_bytes(
+    shape: ModelShape,
+    unit: int,
+    micro_batch_size: int,
+    dtype_bytes: int,
+    *,
+    flash_attention: bool = True,
+) -> float:
+    """Bytes one micro-batch's forward of ``unit`` keeps until its backward, as Megatron-LM
+    keeps a model (bf16 parameters and activations throughout, no weight copies): for the
+    models the planner prices but Tidal's trainer does not run (FlexTrain's presets).
 
     Blocks follow Korthikanti et al. (2022), no recomputation, no tensor or sequence
     parallelism: per token ``d (34 + 5 heads seq / d)`` bytes in 16-bit, of which attention
     keeps ``11 d`` (qkv input, Q, K, V, proj input, dropout mask), the two LayerNorms ``4 d``
     and the MLP ``19 d`` (fc1 input ``2 d``, GELU input and output ``2 r d`` each, a dropout
     mask ``d``). An MoE MLP keeps one input copy per expert a token visits plus GELU input and
-    output at ``expert_hidden`` per visit. ``flash_attention`` (SDPA, as our model runs on
-    GPU) drops the ``5 heads seq^2`` attention-score term. Everything scales by
-    ``dtype_bytes / 2``. A loss head keeps its LayerNorm and projection inputs and the logits;
-    the embedding keeps only the token ids.
+    output at ``expert_hidden`` per visit. ``flash_attention`` drops the ``5 heads seq^2``
+    attention-score term. Everything scales by ``dtype_bytes / 2``. A loss head keeps its
+    LayerNorm and projection inputs and the logits; the embedding keeps only the token ids.
+    The backward's own working set is not counted.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size ({micro_batch_size}) must be at least 1")

@@ -7,7 +7,8 @@ data-parallel degree too. With a profile the profiling-based predictor chooses t
 the modeling-based one checks them (rows where they disagree are dropped); without one the
 modeling-based predictor chooses alone.
 
-``plan_flextrain`` plans the three configurations of the FlexTrain slides
+``plan_flextrain`` plans the three configurations of the FlexTrain slides, their memory priced as
+Megatron-LM keeps a model (``Sharding.megatron``), not as Tidal's trainer does,
 on a device description: a worker there is one node of eight GPUs that holds one pipeline
 rank's context-parallel group (CP = 8), and experts are spread over EP GPUs of each stage.
 """
@@ -185,7 +186,7 @@ def flextrain_space(
     if elastic not in ("pp", "dp-pp"):
         raise ValueError(f"elastic must be pp or dp-pp, not {elastic!r}")
     run = FLEXTRAIN_RUNS[name]
-    sharding = Sharding(cp=run.cp, ep=run.ep, distributed_optimizer=True)
+    sharding = Sharding(cp=run.cp, ep=run.ep, distributed_optimizer=True, megatron=True)
     per_worker = sharding.gpus_per_rank
     space = SearchSpace(
         min_workers=run.gpus[0] // per_worker,

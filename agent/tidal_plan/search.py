@@ -93,6 +93,14 @@ class SearchResult:
 # --- the search ----------------------------------------------------------------------------------
 
 
+# Zero-bubble's split backward under activation checkpointing: torch's W unpacks a checkpointed
+# layer's saved tensors anew, and each unpacking recomputes the layer's forward, so W holds
+# about three times a layer's activations at once and runs as many extra forwards (measured
+# on the CPU: docs/benchmarks.md). The cost model prices one recompute, in I: not planned.
+SPLIT_RECOMPUTE = ("zero-bubble with activation checkpointing recomputes each layer again in "
+                   "W, which the cost model does not price: use 1f1b or interleaved")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -136,6 +144,9 @@ def candidates(
             costs = predictor.units(mbs, dp, ac)
             # One rank: every schedule is the same sequential step.
             for kind in space.schedules if pp > 1 else (ScheduleKind.ONE_F_ONE_B,):
+                if ac and kind is ScheduleKind.ZERO_BUBBLE:
+                    yield SPLIT_RECOMPUTE
+                    continue
                 v = space.virtual_stages if kind is ScheduleKind.INTERLEAVED else 1
                 if kind is ScheduleKind.INTERLEAVED and (m % pp or pp * v > units or v < 2):
                     yield f"interleaved needs m % pp == 0 and pp x v <= units (dp={dp} pp={pp})"

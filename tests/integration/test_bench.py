@@ -83,6 +83,13 @@ def test_predictor_bench_runs(tmp_path):
     assert probe["step_s"] > 0 and profile["sharing"] >= 1.0
     for row in report["layouts"]:
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
+    # The memory model against what the trainer allocates: each layout without and with
+    # activation checkpointing, every rank within the targets on the CPU.
+    memory = report["memory"]
+    assert [(r["layout"].removesuffix(" ac"), r["checkpointing"]) for r in memory["layouts"]] == [
+        (row["layout"], ac) for row in report["layouts"] for ac in (False, True)]
+    assert memory["max_abs_error"] <= memory["targets"]["max_abs_error"]
+    assert memory["most_under"] >= memory["targets"]["most_under"]
 
 
 def test_sim_bench_runs_with_either_cluster_size(tmp_path):
@@ -135,7 +142,7 @@ def test_gpu_bench_tiny_runs_every_cpu_part_and_keeps_the_bits():
     report = json.loads(result.stdout)
     assert report["errors"] == {}
     assert {"device", "pp1", "strict", "pipeline", "snapshots", "switches", "predictor",
-            "null_reasons"} <= report.keys()
+            "modeled", "null_reasons"} <= report.keys()
     # What needs CUDA is null, each with its reason
     for key in ("gpu", "nccl", "driver"):
         assert report["device"][key] is None and report["null_reasons"][f"device.{key}"]
@@ -169,6 +176,15 @@ def test_gpu_bench_tiny_runs_every_cpu_part_and_keeps_the_bits():
         ("tidal_pp1", 1), ("pp1", 1), ("pp2", 2), ("pp4", 4),
         ("switch", 2), ("switch", 3), ("switch", 1)]
     assert all(r["predicted_step_s"] > 0 and r["measured_step_s"] > 0 for r in rows)
+    # The modeled predictor per micro-batch size, without and with checkpointing, on the
+    # device the pp=1 run measured (on the CPU its memory is the tensors' bytes)
+    modeled = report["modeled"]
+    assert modeled["device"] == "cpu-measured" and 0 < modeled["mfu"] <= 1
+    assert [(r["micro_batch_size"], r["checkpointing"]) for r in modeled["rows"]] == [
+        (2, False), (2, True), (4, False), (4, True)]
+    assert all(r["measured_peak_bytes"] > 0 and r["measured_step_s"] > 0
+               for r in modeled["rows"])
+    assert modeled["within_targets"]["memory"] is True
 
 
 def test_gpu_bench_reads_the_gpu_figures_where_the_runner_reports_them():

@@ -115,6 +115,42 @@ def test_run_uses_the_planners_layout(tmp_path):
     assert gen["predicted_step_s"] == prediction.step_seconds
 
 
+@pytest.mark.slow
+def test_run_writes_a_measured_device_that_plan_reads(tmp_path, monkeypatch):
+    from tidal_agent import runner
+    from tidal_plan.devices import DEVICES, load_device
+    from tidal_plan.measured import measured_device
+    from tidal_plan.modelshape import ModelShape
+    from tidal_plan.planner import job_device
+
+    monkeypatch.setattr(runner, "_add_sharing", lambda *args: None)  # not what this measures
+    device, profile = tmp_path / "cpu.json", tmp_path / "profile.json"
+    result = tidal_here("run", TINY, "--workers", "2", "--steps", "4", "--device", "cpu",
+                        "--profile", profile, "--write-device", device)
+    assert result.returncode == 0, result.stderr
+    assert "(cpu-measured: mfu" in result.stderr
+    job, cpu = load_job(TINY), DEVICES["cpu"]
+    measured = load_device(device)
+    # The efficiency its profile implies, not the built-in guess.
+    assert measured == measured_device(json.loads(profile.read_text()),
+                                       ModelShape.of(job.spec.model), job_device(job.spec, cpu))
+    assert measured.name == "cpu-measured" and measured.mfu != cpu.mfu
+    assert measured.memory_overhead_bytes == 0.0  # a CPU has no allocator's peak to compare
+    planned = tidal_here("plan", TINY, "--device", device, "--json")
+    builtin = tidal_here("plan", TINY, "--device", "cpu", "--json")
+    assert planned.returncode == builtin.returncode == 0, planned.stderr + builtin.stderr
+    table = ScaleTable.model_validate_json(planned.stdout)
+    assert table.device == "cpu-measured"
+    guessed = ScaleTable.model_validate_json(builtin.stdout)
+    assert [r.step_seconds for r in table.rows] != [r.step_seconds for r in guessed.rows]
+
+
+def test_run_write_device_needs_a_profiled_run():
+    result = tidal("run", TINY, "--steps", "2", "--write-device", "d.json")
+    assert result.returncode != 0
+    assert "profiling needs at least 3 steps" in result.stderr
+
+
 def test_plan_prints_the_scale_table(tmp_path):
     out = tmp_path / "table.json"
     result = tidal("plan", TINY, "--device", "cpu", "--json", "--out", out)

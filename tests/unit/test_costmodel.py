@@ -7,16 +7,30 @@ import math
 import pytest
 
 from tidal_api import ModelSpec
-from tidal_plan.costmodel import model_costs, predict, unit_costs
-from tidal_plan.devices import DEVICES, GIB, Device, DeviceError, gpu_description, load_device
+from tidal_plan.costmodel import Sharding, model_costs, predict, unit_costs
+from tidal_plan.devices import (
+    DEVICES,
+    GIB,
+    Device,
+    DeviceError,
+    gpu_description,
+    load_device,
+    write_device,
+)
+from tidal_plan.measured import measured_device
 from tidal_plan.layout import build_layout
+from tidal_plan.profiled import ProfileError
 from tidal_plan.modelshape import (
     FLEXTRAIN,
     ModelShape,
     active_params,
+    korthikanti_activation_bytes,
     total_params,
     unit_activation_bytes,
     unit_active_params,
+    unit_backward_bytes,
+    unit_output_grad_bytes,
+    unit_saved_bytes,
     unit_flops,
     unit_params,
 )
@@ -128,15 +142,59 @@ def test_moe_flops_follow_active_params():
     assert 1 < ratio < 1.02
 
 
-def test_activation_bytes():
+def test_korthikanti_activation_bytes():
     shape = BIG
-    per_layer = unit_activation_bytes(shape, 1, 1, 2)
+    per_layer = korthikanti_activation_bytes(shape, 1, 1, 2)
     assert per_layer == 2048 * 4096 * 34  # Korthikanti et al. with flash attention
-    no_flash = unit_activation_bytes(shape, 1, 1, 2, flash_attention=False)
+    no_flash = korthikanti_activation_bytes(shape, 1, 1, 2, flash_attention=False)
     assert no_flash == 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
-    assert unit_activation_bytes(shape, 1, 2, 4) == 4 * per_layer  # twice the batch, fp32
-    head = unit_activation_bytes(shape, shape.layers + 1, 1, 2)
+    assert korthikanti_activation_bytes(shape, 1, 2, 4) == 4 * per_layer  # twice the batch, fp32
+    head = korthikanti_activation_bytes(shape, shape.layers + 1, 1, 2)
     assert head >= 2048 * 50304 * 2  # the logits
+
+
+def test_tidals_activation_bytes_tensor_by_tensor():
+    """The built-in GPT's block, per token: two fp32 residual tensors (8d), LayerNorm
+    statistics (2 x 8), the matmuls' inputs, q, k, v and attention's output (6ad), GELU's
+    input and output (2 x 4ad), log-sum-exp (4 heads); under bf16 autocast also its weights'
+    bf16 copies (2 x 12 d^2). tests/unit/test_measure.py checks the counts against the bytes
+    the trainer's units allocate."""
+    d, tokens = BIG.d_model, BIG.seq_len
+    for a in (2, 4):
+        per_token = 8 * d + 16 + 6 * a * d + 2 * a * 4 * d + 4 * BIG.heads
+        assert unit_saved_bytes(BIG, 1, 1, a) == tokens * per_token
+    copies = 2 * 12 * d * d
+    assert unit_activation_bytes(BIG, 1, 1, 2) == unit_saved_bytes(BIG, 1, 1, 2) + copies
+    assert unit_activation_bytes(BIG, 1, 1, 4) == unit_saved_bytes(BIG, 1, 1, 4)
+    # The loss head keeps the fp32 log-softmax of its logits whatever the precision; the
+    # model's last unit passes no output on.
+    head = BIG.layers + 1
+    assert unit_saved_bytes(BIG, head, 1, 2) == tokens * (8 + 2 * d + 4 * BIG.vocab + 8)
+    # Its backward holds two fp32 gradients of the logits, or its weight's bf16 gradient and
+    # that one's fp32 copy, whichever is more; a block's, two of GELU's width.
+    assert unit_backward_bytes(BIG, head, tokens, 2) == max(tokens * 8 * BIG.vocab,
+                                                            6 * d * BIG.vocab)
+    assert unit_backward_bytes(BIG, head, 8 * tokens, 2) == 8 * tokens * 8 * BIG.vocab
+    assert unit_backward_bytes(BIG, 1, tokens, 4) == tokens * 2 * 4 * 4 * d
+    assert unit_output_grad_bytes(BIG, 0, tokens, 2) == 0.0  # the embedding's is all W
+
+
+def test_a_pipeline_keeps_its_messages_and_a_split_backward_what_its_w_needs():
+    one, two = layout_for(SMALL, 1), layout_for(SMALL, 2)
+    message = SMALL.seq_len * SMALL.d_model * 4  # one sample's hidden state, fp32
+    units = [unit_costs(SMALL, u, 1, H100) for u in range(SMALL.num_units)]
+    assert model_costs(SMALL, one, H100).retained_bytes == (0.0,)
+    costs = model_costs(SMALL, two, H100)
+    assert costs.retained_bytes == (message, message)  # its sent output; its input gradient
+    # The second stage also keeps the input it received.
+    assert costs.activation_bytes[1] == pytest.approx(
+        sum(units[u].activation_bytes for u in two.stage_units(1)) + message)
+    assert costs.held_for_weight_bytes[0] == 0.0  # a first stage's backward is all W
+    zb = layout_for(SMALL, 2, schedule="zb")
+    assert predict(SMALL, zb, H100).peak_memory_bytes[1] > predict(
+        SMALL, two, H100).peak_memory_bytes[1]
+    megatron = model_costs(SMALL, two, H100, Sharding(megatron=True))
+    assert megatron.retained_bytes == (0.0, 0.0) and megatron.held_for_weight_bytes == (0.0, 0.0)
 
 
 def test_state_is_sixteen_bytes_per_parameter():
@@ -212,13 +270,16 @@ def test_the_large_preset_is_planned_without_running_it():
 # --- devices -------------------------------------------------------------------------------------
 
 
-def test_builtin_devices():
+def test_builtin_devices_are_the_datasheets():
     assert load_device("h100") is H100
     assert H100.memory_bytes == 80 * GIB and H100.dtype_bytes == 2
+    assert (H100.peak_flops, H100.memory_bandwidth) == (989.4e12, 3.35e12)  # dense bf16
+    assert 2 * H100.nvlink_bandwidth == 900e9  # NVLink 4, both directions together
     assert load_device("cpu").dtype_bytes == 4
     h200 = load_device("h200")  # an H100's compute, more and faster memory
     assert h200.peak_flops == H100.peak_flops and h200.memory_bytes == 141 * GIB
     assert h200.memory_bandwidth == 4.8e12 > H100.memory_bandwidth
+    assert h200.nvlink_bandwidth == H100.nvlink_bandwidth
 
 
 @pytest.mark.parametrize(("gpu", "description"), [
@@ -256,6 +317,61 @@ def test_bad_device_files_say_what_is_wrong(tmp_path, content, message):
 def test_unknown_device_name_lists_the_builtins():
     with pytest.raises(DeviceError, match=r"use one of \['cpu', 'h100', 'h200'\]"):
         load_device("tpu")
+
+
+def test_a_written_device_loads_as_it_was(tmp_path):
+    measured = dataclasses.replace(H100, name="h100-measured", mfu=0.31,
+                                   memory_overhead_bytes=2.5 * GIB)
+    assert load_device(write_device(measured, tmp_path / "d" / "h100.json")) == measured
+
+
+def _profile(shape, layout, device, *, mfu, peaks=None):
+    """A profile of ``layout`` whose units took what the model says at ``mfu``, the ranks'
+    peaks ``peaks`` (None: a CPU's)."""
+    at_peak = dataclasses.replace(device, mfu=1.0)
+    units = {str(u): {"forward_s": c.forward_s / mfu, "input_grad_s": c.input_grad_s / mfu,
+                      "weight_grad_s": c.weight_grad_s / mfu}
+             for u, c in enumerate(unit_costs(shape, u, layout.micro_batch_size, at_peak)
+                                   for u in range(shape.num_units))}
+    ranks = {str(r): {"pp_rank": r, "peak_gpu_bytes": None if peaks is None else peaks[r]}
+             for r in range(layout.pp)}
+    return {"layout": layout.to_dict(), "units": units, "ranks": ranks}
+
+
+def test_a_measured_device_takes_its_efficiency_from_the_profile():
+    layout = layout_for(BIG, 2, m=4)
+    cpu_like = _profile(BIG, layout, H100, mfu=0.3)
+    measured = measured_device(cpu_like, BIG, H100)
+    assert measured.name == "h100-measured" and measured.mfu == pytest.approx(0.3)
+    assert measured.peak_flops == H100.peak_flops and measured.memory_overhead_bytes == 0.0
+    # The step priced on it: its compute slower by 0.45 / 0.3
+    assert predict(BIG, layout, measured).pipeline_seconds > predict(
+        BIG, layout, H100).pipeline_seconds * 1.4
+    # GPU peaks: the fullest rank's excess over the model becomes the device's overhead.
+    model = predict(BIG, layout, measured).peak_memory_bytes
+    on_gpu = _profile(BIG, layout, H100, mfu=0.3, peaks=[model[0] + GIB, model[1] + 2 * GIB])
+    measured = measured_device(on_gpu, BIG, H100)
+    assert measured.memory_overhead_bytes == pytest.approx(2 * GIB)
+    assert predict(BIG, layout, measured).peak_memory_bytes == pytest.approx(
+        tuple(p + 2 * GIB for p in model))
+    # A model that counts more than was held keeps its count.
+    under = _profile(BIG, layout, H100, mfu=0.3, peaks=[model[0] / 2, model[1] / 2])
+    assert measured_device(under, BIG, H100).memory_overhead_bytes == 0.0
+
+
+def test_a_run_faster_than_the_peak_raises_the_peak():
+    layout = layout_for(SMALL, 1, m=2)
+    fast = measured_device(_profile(SMALL, layout, H100, mfu=2.0), SMALL, H100, name="fast")
+    assert fast.name == "fast" and fast.mfu == 1.0
+    assert fast.matmul_flops == pytest.approx(2 * H100.peak_flops)
+
+
+def test_a_profile_that_cannot_measure_a_device_says_why():
+    layout = layout_for(SMALL, 1, m=2)
+    with pytest.raises(ProfileError, match="profile lacks 'units'"):
+        measured_device({"layout": layout.to_dict()}, SMALL, H100)
+    with pytest.raises(ProfileError, match="has 7 units; the model 34"):
+        measured_device(_profile(SMALL, layout, H100, mfu=0.5), BIG, H100)
 
 
 def test_bad_device_values():

@@ -27,9 +27,13 @@ def layouts_and_costs(draw, max_m=90):
     lay = build_layout(num_units=stages + draw(st.integers(0, 3)), workers=pp,
                        micro_batch_size=1, num_micro_batches=m, schedule=kind, virtual_stages=v)
     per_stage = st.lists(st.floats(0.05, 3.0), min_size=stages, max_size=stages).map(tuple)
+    # What I keeps for W, and what a backward leaves to the step's end: none, or some.
+    kept = st.one_of(st.just(0.0),
+                     st.lists(st.floats(0.0, 1.0), min_size=stages, max_size=stages).map(tuple))
     costs = Costs(forward=draw(per_stage), input_grad=draw(per_stage),
                   weight_grad=draw(per_stage), comm=draw(st.sampled_from([0.0, 0.1, 0.7])),
-                  activation_bytes=draw(per_stage))
+                  activation_bytes=draw(per_stage), held_for_weight_bytes=draw(kept),
+                  retained_bytes=draw(kept))
     return lay, costs
 
 
@@ -65,7 +69,9 @@ def test_long_pipelines_simulated_whole_are_the_dry_run_to_the_bit(kind, pp):
     costs = Costs(forward=tuple(0.5 + 0.37 * (s % 3) for s in range(stages)),
                   input_grad=tuple(1.1 - 0.05 * s for s in range(stages)),
                   weight_grad=tuple(0.3 + 0.1 * (s % 2) for s in range(stages)), comm=0.07,
-                  activation_bytes=tuple(1.0 + 0.3 * s for s in range(stages)))
+                  activation_bytes=tuple(1.0 + 0.3 * s for s in range(stages)),
+                  held_for_weight_bytes=tuple(0.2 + 0.1 * s for s in range(stages)),
+                  retained_bytes=0.15)
     fast, full = estimate_step(lay, costs), dry_run(lay, plan_step(lay), costs)
     assert fast.simulated == (lay.num_micro_batches,)
     assert (fast.makespan, fast.peak_memory) == (full.makespan, full.peak_memory)
@@ -89,7 +95,8 @@ def test_long_steps_are_extrapolated_exactly(kind):
     costs = Costs(forward=tuple(0.5 + 0.1 * s for s in range(stages)),
                   input_grad=tuple(1.0 - 0.05 * s for s in range(stages)),
                   weight_grad=0.4, comm=0.05,
-                  activation_bytes=tuple(1.0 + s for s in range(stages)))
+                  activation_bytes=tuple(1.0 + s for s in range(stages)),
+                  held_for_weight_bytes=0.25, retained_bytes=tuple(0.1 * s for s in range(stages)))
     fast = estimate_step(lay, costs)
     assert len(fast.simulated) == 3 and max(fast.simulated) < 96  # the extrapolated path
     full = dry_run(lay, plan_step(lay), costs)

@@ -14,7 +14,7 @@ import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.commands import TINY
-from tidal_agent.measure import Clock, HostEvent, MemoryPeaks
+from tidal_agent.measure import Clock, HostEvent, MemoryPeaks, TensorMemory
 from tidal_agent.transport import Transport
 from tidal_agent.world import Rendezvous, World
 from tidal_api import parse_job
@@ -289,3 +289,63 @@ def test_snapshot_host_memory_is_reported_and_does_not_grow_across_generations()
         assert len({h["pageable"] for h in held[rank][1:]}) == 1
         largest = max(sum(m.numel for m in metas[:3]), sum(m.numel for m in metas[1:]))
         assert held[rank][-1]["pageable"] <= 4 * largest * 4
+
+
+def test_tensor_memory_counts_each_storage_once_until_it_is_freed():
+    with TensorMemory() as memory:
+        x = torch.zeros(1000)  # 4000 bytes
+        view = x[10:]
+        x.add_(1)  # in place: the same storage
+        assert memory.live == memory.peak == 4000
+        y = x * 2
+        assert memory.live == 8000
+        del x, view, y
+        assert memory.live == 0 and memory.peak == 8000
+        memory.reset_peak()
+        z = torch.ones(10)
+        assert memory.peak == 40
+        old = torch.nn.Parameter(torch.ones(3))
+    memory.track([old])
+    assert memory.live == 40 + 12
+    del z
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_memory_model_counts_what_the_trainers_units_keep(family, precision):
+    """tidal_plan.modelshape's count of what each unit keeps for its backward, against the
+    bytes the unit's forward leaves allocated (everything but its input: the unit before
+    made that) on the CPU, under the trainer's precision."""
+    from tidal_agent.model import StageModule, UnitContext
+    from tidal_plan.modelshape import ModelShape, unit_activation_bytes
+
+    model = {"layers": 2, "dModel": 64, "heads": 4, "vocab": 96, "seqLen": 32}
+    if family == "llama":
+        model["huggingface"] = {"config": {
+            "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+            "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 96, "max_position_embeddings": 32}}
+    spec = parse_job({"apiVersion": "tidal.dev/v1alpha1", "kind": "ElasticTrainingJob",
+                      "metadata": {"name": "m"},
+                      "spec": {"workers": {"min": 1, "max": 1}, "model": model,
+                               "training": {"globalBatchSize": 2, "microBatchSize": 2,
+                                            "precision": precision}}}).spec
+    shape, a = ModelShape.of(spec.model), 2 if precision == "bf16" else 4
+    tokens = torch.randint(0, 96, (2, 33))
+    ctx = UnitContext(seed=0, step=0, mb=0, device=torch.device("cpu"), load=lambda: tokens)
+    with TensorMemory() as memory:
+        stage = StageModule(spec.model, range(spec.model.num_units), 0, precision=precision)
+        stage(None, ctx)  # a first forward makes what every later one shares (rotary tables)
+        # as the runtime: each micro-batch loads its tokens, which its embedding keeps
+        ctx = UnitContext(seed=0, step=0, mb=1, device=torch.device("cpu"),
+                          load=tokens.clone)
+        h = None
+        for unit in stage.ordered_units:
+            before = memory.live
+            h, loss = stage.run_unit(unit, h, ctx)
+            if unit.index == spec.model.num_units - 1:
+                del h  # the runtime keeps no output of the model's last unit
+            kept = memory.live - before
+            # rel: the built-in embedding also keeps its position ids, seq_len of them
+            assert kept == pytest.approx(unit_activation_bytes(shape, unit.index, 2, a),
+                                         rel=0.02), unit.index

@@ -27,6 +27,7 @@ from tidal_plan.planner import (
 )
 from tidal_plan.predictors import ModeledPredictor
 from tidal_plan.search import (
+    SPLIT_RECOMPUTE,
     Choice,
     Dropped,
     SearchSpace,
@@ -222,6 +223,16 @@ def test_strict_jobs_keep_what_fixes_the_bits():
     assert pinned.schedules == (ScheduleKind.ZERO_BUBBLE,)
 
 
+def test_zero_bubble_is_not_planned_with_checkpointing():
+    """Its W recomputes each checkpointed layer again, which the cost model does not price."""
+    layers = dataclasses.replace(job_space(_job(schedule="zb").spec, CPU), checkpointing=(True,))
+    found = choose(ModeledPredictor(ModelShape.of(_job().spec.model), CPU), layers, 2)
+    assert isinstance(found, Dropped) and found.detail == SPLIT_RECOMPUTE
+    auto = dataclasses.replace(layers, checkpointing=(False, True))
+    found = choose(ModeledPredictor(ModelShape.of(_job().spec.model), CPU), auto, 2)
+    assert isinstance(found, Choice) and not found.layout.activation_checkpointing
+
+
 def test_plan_job_covers_every_worker_count():
     table, _ = plan_job(_job(), CPU)
     assert table.min_workers == 1 and table.max_workers == 4 and table.source == "modeled"
@@ -238,8 +249,8 @@ def test_the_runner_planner_honours_the_given_dp():
 
 def test_sharding_splits_tokens_and_experts():
     shape = FLEXTRAIN["small"]
-    whole = unit_costs(shape, 1, 1, H100)
-    cp8 = unit_costs(shape, 1, 1, H100, sharding=Sharding(cp=8))
+    whole = unit_costs(shape, 1, 1, H100, sharding=Sharding(megatron=True))
+    cp8 = unit_costs(shape, 1, 1, H100, sharding=Sharding(cp=8, megatron=True))
     assert cp8.activation_bytes == pytest.approx(whole.activation_bytes / 8)
     assert cp8.weight_grad_s == pytest.approx(whole.weight_grad_s / 8)
     ep8 = unit_costs(shape, 1, 1, H100, dp=1, sharding=Sharding(cp=8, ep=8))
@@ -276,7 +287,8 @@ def test_the_large_preset_needs_its_sharding_to_fit():
     lay = build_layout(num_units=shape.num_units, workers=32, dp=4, micro_batch_size=1,
                        num_micro_batches=768)
     assert not predict(shape, lay, H100).fits
-    assert predict(shape, lay, H100, Sharding(cp=8, ep=16, distributed_optimizer=True)).fits
+    assert predict(shape, lay, H100, Sharding(cp=8, ep=16, distributed_optimizer=True,
+                                              megatron=True)).fits
 
 
 def test_flextrain_unknown_names_are_refused():
@@ -312,7 +324,9 @@ def test_auto_checkpointing_turns_on_only_where_a_layout_would_not_fit():
                                    "model": {"layers": 6, "dModel": 256, "heads": 4,
                                              "seqLen": 512},
                                    "training": {"globalBatchSize": 16, "microBatchSize": 4,
-                                                "activationCheckpointing": setting}}})
+                                                "activationCheckpointing": setting},
+                                   # ZB-H1 keeps more than 1F1B (what its I leaves for W)
+                                   "parallelism": {"schedule": "1f1b"}}})
 
     off, _ = plan_job(job("off"), CPU)
     # Room for the plain layout of 3 workers, not for one worker's (a longer 1F1B warm-up).
