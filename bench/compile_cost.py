@@ -1,20 +1,21 @@
 """What compiling the units costs: at start-up, and at a live switch.
 
-One job (a Hugging Face Llama, bf16 autocast) runs a live pp 1 -> 2 -> 1 switch three times as
-worker processes (``run_elastic``): with ``training.compile: off``; ``on`` with an empty
-inductor cache (``TORCHINDUCTOR_CACHE_DIR`` a fresh directory: what a new machine pays); and
-``on`` again with the cache the cold run left (what a restarted job pays). For each: the first
-step's seconds (start-up: everything compiles there), the median of the other steps of the
-first generation (the steady step), each switch's pause and the seconds of the first step
-after it (where anything new would compile), the graphs the leader had compiled at each step
-(``compiled_graphs``), and whether the two compiled runs have the same bits (they must).
+One job (bench/hf_step.py's Hugging Face Llama, fp32 unless ``--precision`` says bf16) runs a
+live pp 1 -> 2 -> 1 switch three times as worker processes (``run_elastic``): with
+``training.compile: off``; ``on`` with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` a
+fresh directory: what a new machine pays); and ``on`` again with the cache the cold run left
+(what a restarted job pays). For each: the first step's seconds (start-up: everything compiles
+there), the median of the other steps of the first generation (the steady step), each switch's
+pause and the seconds of the first step after it (where anything new would compile: the
+joiner compiles its units in standby, before it), the graphs the leader had compiled at each
+step (``compiled_graphs``), and whether the two compiled runs have the same bits (they must).
 
 Prints JSON; ``startup_ratio`` is the cold compiled run's first step over the eager one's,
 ``switch_ratio`` the compiled (warm) run's worst first-step-after-a-switch over the eager
 run's, and ``graphs_at_switches`` the graphs the switches compiled on the leader (0: nothing
 compiled again).
 
-    python bench/compile_cost.py [--tiny] [--steps 9]
+    python bench/compile_cost.py [--tiny] [--steps 9] [--precision fp32|bf16]
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from tidal_agent.runner import run_elastic  # noqa: E402
 from tidal_plan.elastic import elastic_plan  # noqa: E402
 
 
-def _run(config: dict, seq_len: int, steps: int, compile_: str, cache: str) -> dict:
-    job = hf_job(config, seq_len, "bf16", name=f"compile-{compile_}",
+def _run(config: dict, seq_len: int, precision: str, steps: int, compile_: str,
+         cache: str) -> dict:
+    job = hf_job(config, seq_len, precision, name=f"compile-{compile_}",
                  training={"steps": steps, "compile": compile_}, max_workers=2)
     third = steps // 3
     gens, layouts = elastic_plan(job, [(0, 1), (third, 2), (2 * third, 1)])
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a toy model: checks the bench runs")
     parser.add_argument("--steps", type=int, default=9,
                         help="steps of each run, a multiple of 3 (a third per generation)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
     if args.steps < 9 or args.steps % 3:
         raise SystemExit("--steps must be a multiple of 3, at least 9")
@@ -82,7 +85,7 @@ def main() -> None:
         runs = {}
         for name, compile_ in (("eager", "off"), ("cold", "on"), ("warm", "on")):
             print(f"compile_cost: {name}...", file=sys.stderr, flush=True)
-            runs[name] = _run(config, seq_len, args.steps, compile_, cache)
+            runs[name] = _run(config, seq_len, args.precision, args.steps, compile_, cache)
     eager, cold, warm = runs["eager"], runs["cold"], runs["warm"]
 
     def after_switch(run: dict) -> float:
@@ -91,7 +94,7 @@ def main() -> None:
     report = {
         "benchmark": "compile_cost",
         "baseline": "the same job and switches with training.compile: off",
-        "config": config, "seq_len": seq_len, "steps": args.steps,
+        "config": config, "seq_len": seq_len, "precision": args.precision, "steps": args.steps,
         "runs": {name: {k: v for k, v in run.items() if k not in ("losses_hex",)}
                  for name, run in runs.items()},
         "startup_ratio": cold["first_step_s"] / eager["first_step_s"],
