@@ -17,7 +17,9 @@ Both train the same Hugging Face Llama from the same initial values on the same 
 - tidal_compiled: the same trainer with ``training.compile: on`` (each unit compiled on its own
   by inductor, tidal_agent.compiled);
 - plain_compiled: the plain loop with its whole model under ``torch.compile`` (inductor), what a
-  user who compiles their model runs: the second baseline.
+  user who compiles their model runs: the second baseline. ``--compile-backend`` compiles both
+  with another backend (``eager``: dynamo's capture alone, for a quick check), or drops the two
+  compiled sides (``none``).
 
 All run in one process on one thread (``torch.set_num_threads(1)``), taking turns step by step
 (the order rotating each step): whatever else runs on the host slows every side alike, and each
@@ -32,7 +34,7 @@ plain_compiled), ``compiled_speedup`` (plain / plain_compiled) and each side's f
 the top are the worst precision's.
 
     python bench/hf_step.py [--precision fp32,bf16] [--steps 10] [--warmup 2] [--device cuda]
-                            [--no-compile]
+                            [--compile-backend inductor|eager|none]
 
 bench/gpu.py uses the two sides one after the other at a GPU's sizes.
 """
@@ -162,9 +164,11 @@ SIDES = ("tidal", "plain", "tidal_compiled", "plain_compiled")
 
 
 def bench_precision(config: dict, seq_len: int, precision: str, steps: int, warmup: int,
-                    store: dist.Store, device: torch.device, compiled: bool = True) -> dict:
+                    store: dist.Store, device: torch.device,
+                    compile_backend: str | None = "inductor") -> dict:
     """Each side's step times at ``precision``, the sides taking turns step by step (the
-    order rotating every step); ``compiled``: the two compiled sides too."""
+    order rotating every step); with a ``compile_backend``, the two compiled sides too."""
+    compiled = compile_backend is not None
     spec = hf_job(config, seq_len, precision, training={"compile": "off"}).spec
     tidal = tidal_trainer(spec, store, f"hf-step-{precision}", device)
     plain = PlainLoop(spec, config, tidal.named_params, device)
@@ -173,7 +177,7 @@ def bench_precision(config: dict, seq_len: int, precision: str, steps: int, warm
         spec_c = hf_job(config, seq_len, precision, training={"compile": "on"}).spec
         tidal_c = tidal_trainer(spec_c, store, f"hf-step-{precision}-compiled", device)
         plain_c = PlainLoop(spec_c, config, tidal_c.named_params, device,
-                            compile_backend="inductor")
+                            compile_backend=compile_backend)
         sides |= {"tidal_compiled": lambda step: tidal_c.step(step).loss,
                   "plain_compiled": plain_c.step}
     names = [name for name in SIDES if name in sides]
@@ -213,9 +217,15 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a toy model: checks the bench runs")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where both sides train (cuda: the current GPU)")
-    parser.add_argument("--no-compile", dest="compiled", action="store_false",
-                        help="the eager sides only (inductor compiles for tens of seconds)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend for both compiled sides, or none: the "
+                             "eager sides only (inductor compiles for tens of seconds)")
     args = parser.parse_args()
+    backend = None if args.compile_backend == "none" else args.compile_backend
+    if backend is not None:
+        from tidal_agent import compiled
+
+        compiled.BACKEND = backend  # Tidal's units compile as the plain loop does
     device = torch.device(args.device)
     config = {**CONFIG, **(TINY if args.tiny else {})}
     seq_len = SEQ_LEN["tiny" if args.tiny else "full"]
@@ -226,7 +236,7 @@ def main() -> None:
         print(f"{precision}: {args.warmup} warm-up + {args.steps} timed steps per side...",
               file=sys.stderr, flush=True)
         runs.append(bench_precision(config, seq_len, precision, args.steps, args.warmup, store,
-                                    device, args.compiled))
+                                    device, backend))
         print(f"{precision}: ratio {runs[-1]['ratio']:.3f}, compiled_ratio "
               f"{runs[-1].get('compiled_ratio', float('nan')):.3f}", file=sys.stderr, flush=True)
     report = {
@@ -240,7 +250,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "runs": runs,
         "ratio": max(r["ratio"] for r in runs),
-        "compiled_ratio": max(r["compiled_ratio"] for r in runs) if args.compiled else None,
+        "compile_backend": backend,
+        "compiled_ratio": max(r["compiled_ratio"] for r in runs) if backend else None,
     }
     print(json.dumps(report, indent=2))
 

@@ -74,7 +74,6 @@ def test_compiled_llama_in_bf16_with_checkpointing_keeps_the_bits():
                   "activationCheckpointing": "layers", "compile": "on"},
     )
     reference = _bits(_run(job, 1))
-    assert _bits(_run(job, 3, "zb", (2, 2, 2))) == reference
     gens, layouts = elastic_plan(job, [(0, 1), (2, 2), (4, 1)])
     toggled = [dataclasses.replace(lay, activation_checkpointing=not lay.activation_checkpointing)
                if i == 1 else lay for i, lay in enumerate(layouts)]
