@@ -142,7 +142,7 @@ def run(job_file, workers, steps, report, schedule, partition, workers_schedule,
             ProfileError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     if profile_out or device_out:  # both need a profile
-        from tidal_agent.worker import profile_window
+        from tidal_agent.worker_options import profile_window
 
         try:
             profile_window(steps)

@@ -37,7 +37,8 @@ from tidal_agent.model import global_parameter_names
 from tidal_agent.report import AgentReport
 from tidal_agent.runner import profile_accuracy
 from tidal_agent.trainer import params_sha256
-from tidal_agent.worker import WorkerOptions, train
+from tidal_agent.worker import train
+from tidal_agent.worker_options import WorkerOptions
 from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob, JobSpec, keys
 from tidal_api.layout import Layout, LayoutError

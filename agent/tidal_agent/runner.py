@@ -33,7 +33,8 @@ from tidal_agent.events import (Checkpointed, Failed, Finished, Left, Listener, 
 from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
 from tidal_agent.trainer import params_sha256
-from tidal_agent.worker import WorkerOptions, worker_main
+from tidal_agent.worker import worker_main
+from tidal_agent.worker_options import WorkerOptions
 from tidal_agent.world import Rendezvous
 from tidal_api import ElasticTrainingJob
 from tidal_api.layout import Layout

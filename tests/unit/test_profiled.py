@@ -212,7 +212,7 @@ def test_calibrated_profile_errors():
 
 
 def test_profile_window_skips_a_fresh_process_s_slow_first_steps():
-    from tidal_agent.worker import profile_window
+    from tidal_agent.worker_options import profile_window
 
     assert profile_window(1000) == profile_window(9) == (3, 8)  # hooked 3, plain 4-7
     assert profile_window(8) == (3, 8)
