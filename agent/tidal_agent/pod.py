@@ -18,7 +18,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from functools import partial
 from datetime import timedelta
@@ -220,8 +220,8 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         store.add("exited", 1)
         return {"pod": identity.pod, "left_at": report.left_at, "done": report.digests is not None}
     result = _leader_report(identity.job, spec, source, report, store)
-    link.publish(step=steps)
-    _end(source, store, steps, result, report_path, timeout_s)
+    _end(source, store, steps, result, report_path, timeout_s,
+         finished=partial(link.publish, step=steps))
     del host  # only now may the store go down
     return result
 
@@ -240,14 +240,17 @@ def _halt(identity: PodIdentity, source: ControlledGenerations, report: AgentRep
 
 
 def _end(source: ControlledGenerations, store: dist.Store, step: int, result: Mapping[str, Any],
-         report_path: str | Path | None, timeout_s: float) -> None:
-    """The leader's part at the job's end, at its last step or halted: standby pods leave,
-    the report is written, and the store stays up until every other registered pod is done
-    with it."""
-    source.end(step)
+         report_path: str | Path | None, timeout_s: float,
+         finished: Callable[[], None] = lambda: None) -> None:
+    """The leader's part at the job's end, at its last step or halted: the report is
+    written before ``finished`` says the job is done (whoever then sees it Succeeded finds
+    the report), standby pods leave, and the store stays up until every other registered pod
+    is done with it."""
     if report_path is not None:
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(result, indent=2) + "\n")
+    finished()
+    source.end(step)
     _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
 
 

@@ -123,12 +123,20 @@ class Api:
     async def delete(self, path: str, body: Any = None, expect: int = 200) -> Any:
         return await self.call("DELETE", path, body, expect=expect)
 
-    async def watch(self, path: str, timeout: str = "0.2", **params: str) -> list[dict[str, Any]]:
-        """The events of a watch that ends by its server-side timeout."""
+    async def watch(self, path: str, timeout: str = "0.2", events: int | None = None,
+                    **params: str) -> list[dict[str, Any]]:
+        """The events of a watch that ends by its server-side timeout, or once ``events``
+        have come."""
         query = {"watch": "true", "timeoutSeconds": timeout, **params}
+        got: list[dict[str, Any]] = []
         async with self.session.get(path, params=query) as rsp:
             assert rsp.status == 200
-            return [json.loads(line) async for line in rsp.content if line.strip()]
+            async for line in rsp.content:
+                if line.strip():
+                    got.append(json.loads(line))
+                if len(got) == events:
+                    break
+        return got
 
 
 @pytest_asyncio.fixture
@@ -324,7 +332,10 @@ async def test_watch_delivers_live_events_and_410_after_compaction():
         async with aiohttp.ClientSession(running.url) as session:
             api = Api(session)
             start = (await api.get(PODS))["metadata"]["resourceVersion"]
-            live = asyncio.create_task(api.watch(PODS, timeout="1", resourceVersion=start))
+            # Ended by its fourth event, not by its timeout, which a loaded machine can reach
+            # before the pods are created.
+            live = asyncio.create_task(api.watch(PODS, timeout="60", events=4,
+                                                 resourceVersion=start))
             await asyncio.sleep(0.2)
             for name in ("a", "b", "c", "d"):
                 await api.create(PODS, pod(name))
