@@ -15,7 +15,7 @@ pauses, wall time) and, per fault, its kind, victim, the step it failed at and r
 and the pause. Exits 1 where the bits differ. Progress goes to stderr.
 
     python bench/soak.py [--faults 1000] [--seed 0] [--workers 3] [--steps-per-fault 24]
-                         [--snapshot-every 1] [--lost-after 1] [--workdir DIR]
+                         [--snapshot-every 1] [--lost-after 5] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=1,
                         help="spec.checkpoint.snapshotEverySteps (0: the agent's default, an "
                              "interval chosen from the snapshots' measured cost)")
-    parser.add_argument("--lost-after", type=float, default=1.0,
-                        help="the agents' --lost-after: seconds of heartbeat silence")
+    parser.add_argument("--lost-after", type=float, default=5.0,
+                        help="the agents' --lost-after: seconds of heartbeat silence, the "
+                             "backstop (a killed pod is lost from its ended connection)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="the agents' logs and the leader's report (default: a temporary "
                              "directory, kept)")

@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from tidal_agent import checkpoint
+from tidal_agent.presence import Presence
 from tidal_agent.protocol import Halt, LeaderLost, Recovery
 from tidal_agent.report import AgentReport
 from tidal_agent.snapshot import Cut, choose_cut
@@ -78,11 +79,14 @@ class ControlledGenerations:
     leader is recovering), ``end`` (the step training ended at:
     standby pods leave), ``beat/<pod>`` (a counter each pod's heartbeat thread advances) and,
     for the k-th recovery, ``fault/<k>/at/<pod>`` (a survivor's report) and
-    ``fault/<k>/decision`` (the leader's: where the survivors go on, or why they cannot).
+    ``fault/<k>/decision`` (the leader's: where the survivors go on, or why they cannot);
+    ``presence`` and ``gone/...`` are tidal_agent.presence's.
 
     The fault path (``recover``): every survivor reports; the leader waits until each member of
-    the failed generation (and of one announced after it) has either reported or been silent
-    for ``lost_after_s`` (no heartbeat), then names the survivors' generation. Pods the
+    the failed generation (and of one announced after it) has either reported or is lost: its
+    connection to the rendezvous ended (tidal_agent.presence: a process that died), or, the
+    backstop for a hung one, its heartbeat was silent for ``lost_after_s``; then it names the
+    survivors' generation. Pods the
     newest target releases are not in it, so a pod the operator deleted at a drain deadline
     ends in the generation that target asked for, under its number. Training resumes at the
     newest step boundary the survivors' peer snapshots hold whole (their reports say what each
@@ -120,8 +124,10 @@ class ControlledGenerations:
         fault_wait_s: float = 300.0,
         rescue_wait_s: float = 30.0,
         stop: threading.Event | None = None,
+        presence: Presence | None = None,
     ) -> None:
         self.me, self._leader, self.store = me, leader, store
+        self.presence = presence  # how a pod that died is known at once (tidal_agent.presence)
         self.stop = stop  # set on SIGTERM: a pod in standby leaves at once; the leader halts
         self.departed = False  # this pod left unasked (depart)
         self.min_workers, self.steps = min_workers, steps
@@ -172,7 +178,13 @@ class ControlledGenerations:
         n = self.store.add("reg/count", 1)
         self.store.set(f"reg/{n}", self.me)
         self.store.set(f"pod/{self.me}", str(n))
+        if self.presence is not None and self.me != self._leader:  # its end is the store's
+            self.presence.announce(self.me, n)
         return n
+
+    def gone(self, members: tuple[str, ...]) -> set[str]:
+        """Those of ``members`` whose connection to the rendezvous ended: dead, not slow."""
+        return self.presence.gone(members) if self.presence is not None else set()
 
     def registered(self) -> list[str]:
         """Every pod registered so far, in registration order."""
@@ -333,6 +345,8 @@ class ControlledGenerations:
     def leave(self) -> None:
         """Forget this pod, so that a later pod of the same name registers afresh."""
         self.stop_beating()
+        if self.presence is not None:
+            self.presence.close()
         self.store.delete_key(f"gen/{self.me}")
         self.store.delete_key(f"pod/{self.me}")
 
@@ -450,20 +464,23 @@ class ControlledGenerations:
                 "checkpoint": path, "snapshot": cut.to_json() if cut is not None else None}
 
     def _survivors(self, members: list[str], fault: str) -> tuple[set[str], list[str]]:
-        """Wait until every member has reported on the fault path or fallen silent: (the
-        reporters, the lost in member order). A member neither reporting nor silent by
+        """Wait until every member has reported on the fault path or is lost: its connection
+        to the rendezvous ended (``gone``), it said goodbye, or, the backstop, its heartbeat
+        has been silent for ``lost_after_s`` (a hung process keeps its connection). Returns
+        (the reporters, the lost in member order). A member neither reporting nor lost by
         ``fault_wait_s`` counts as lost."""
         deadline = time.monotonic() + self.fault_wait_s
         heard: dict[str, tuple[int, float]] = {}  # member -> (its beat count, when it moved)
         while True:
             now = time.monotonic()
             reported = {p for p in members if self.store.check([f"{fault}/at/{p}"])}
+            gone = self.gone(tuple(members))
             silent = []
             for pod in members:
                 if pod in reported:
                     continue
-                if self.store.check([f"bye/{pod}"]):  # it left when asked to stop
-                    silent.append(pod)
+                if pod in gone or self.store.check([f"bye/{pod}"]):  # dead, or it left
+                    silent.append(pod)  # when asked to stop
                     continue
                 beats = self.store.add(f"beat/{pod}", 0)
                 if pod not in heard or heard[pod][0] != beats:

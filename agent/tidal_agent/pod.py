@@ -34,6 +34,7 @@ from tidal_agent.generations import ControlledGenerations
 from tidal_agent.link import ControlError, ControlLink
 from tidal_agent.metrics import AgentMetrics, JobMetrics
 from tidal_agent.model import global_parameter_names
+from tidal_agent.presence import Presence, PresenceServer
 from tidal_agent.report import AgentReport
 from tidal_agent.runner import profile_accuracy
 from tidal_agent.trainer import params_sha256
@@ -183,12 +184,15 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
 
     stop = _stop_on_sigterm(identity.pod)
     store = rendezvous.connect()
+    # Beside the store, on the leader: each other pod's connection, whose end says it died.
+    watch = PresenceServer(rendezvous.connect()) if leading else None
     source = ControlledGenerations(
         me=identity.pod, leader=identity.leader, store=store, min_workers=spec.workers.min,
         steps=steps, choose=choose, target=link.target, report=report,
         checkpoint_root=spec.checkpoint.path, heartbeat=rendezvous.connect(),
         fault_wait_s=2 * timeout_s + 30,  # past any member's own timeout on a dead peer
         lost_after_s=lost_after_s, stop=stop,
+        presence=Presence(store, identity.rendezvous_host),
     )
     if leading:
         link.start()
@@ -222,6 +226,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     result = _leader_report(identity.job, spec, source, report, store)
     _end(source, store, steps, result, report_path, timeout_s,
          finished=partial(link.publish, step=steps))
+    watch.close()
     del host  # only now may the store go down
     return result
 

@@ -96,6 +96,10 @@ class GenerationSource(Protocol):
         (None if ``me`` is not one of them). Raises ``error`` when training cannot go on:
         nothing to recover with, or no member was lost (a bug, not a fault)."""
 
+    def gone(self, members: tuple[str, ...]) -> set[str]:
+        """Those of ``members`` known dead (their connection to the rendezvous ended): a
+        world being built with them is not waited for."""
+
     def depart(self, me: str, step: int) -> None:
         """``me``, asked to stop, leaves at the boundary before ``step`` unasked by any
         target: the others lose it and go on without waiting for its silence."""
@@ -155,6 +159,9 @@ class StaticGenerations:
     def recover(self, me: str, trained: Generation, step: int, error: Exception,
                 held: dict[str, Any] | None = None) -> Recovery | None:
         raise error  # the launcher names the lost worker; --resume goes on without it
+
+    def gone(self, members: tuple[str, ...]) -> set[str]:
+        return set()  # the launcher watches its workers' processes itself
 
     def depart(self, me: str, step: int) -> None:
         raise RuntimeError(f"{me}: a static schedule has no departures (tidal run stops "

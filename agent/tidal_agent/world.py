@@ -151,6 +151,8 @@ class World:
         self.transport.close(abort=abort)
         if self.cpu is not None and abort:
             self.cpu.abort()
+        if abort:  # let go: freed now, the groups close their connections (gloo's abort
+            self.transport.pg = self.cpu = None  # does not), and peers fail at once
 
 
 # Every world of this process not closed yet: the fault path aborts them all at once.
@@ -202,15 +204,23 @@ def build_world(
                  store=store, rendezvous=rendezvous, name=name, cpu=cpu)
 
 
+class MemberGone(RuntimeError):
+    """A member of a world being built is known dead (tidal_agent.presence): the world will
+    never be whole, so nobody waits for it; the fault path takes over."""
+
+
 class WorldBuilder:
     """Builds a world in a background thread, so training goes on meanwhile; ``prepare``
     then builds, in the same thread, the subgroups the world's layout will need."""
 
-    def __init__(self, *args, prepare: Callable[[World], None] | None = None, **kwargs) -> None:
+    def __init__(self, rendezvous: Rendezvous, generation: int, members: tuple[str, ...],
+                 me: str, *, prepare: Callable[[World], None] | None = None, **kwargs) -> None:
+        self.generation, self.members, self.me = generation, members, me
         self._result: World | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(prepare, *args), kwargs=kwargs,
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(prepare, rendezvous, generation, members, me),
+            kwargs=kwargs, daemon=True)
         self.started = time.perf_counter()
         self._thread.start()
 
@@ -223,10 +233,21 @@ class WorldBuilder:
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             self._error = err
 
-    def result(self, timeout_s: float) -> World:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"building the next world took more than {timeout_s:.0f} s")
+    def result(self, timeout_s: float,
+               gone: Callable[[tuple[str, ...]], set[str]] = lambda members: set(),
+               poll_s: float = 0.05) -> World:
+        """The world, once built; ``MemberGone`` as soon as ``gone`` names one of the other
+        members (its build is left to fail on its own), ``TimeoutError`` after ``timeout_s``."""
+        others = tuple(m for m in self.members if m != self.me)
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive():
+            if lost := gone(others):
+                raise MemberGone(f"{', '.join(sorted(lost))} died while the world of "
+                                 f"generation {self.generation} was built")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"building the world of generation {self.generation} took "
+                                   f"more than {timeout_s:.0f} s")
+            self._thread.join(poll_s)
         if self._error is not None:
             raise self._error
         if self._result is None:

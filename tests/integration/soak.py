@@ -19,10 +19,11 @@ as it grows, says when a step ended and when a generation was announced: the mom
 snapshot faults aim at. The fault-free run to compare with trains meanwhile, in a thread (a
 fault's wait leaves the cores idle).
 
-What one fault costs is mostly waiting: the leader counts a member lost once its heartbeat has
-been silent for ``--lost-after`` (``SoakConfig.lost_after_s``, 1 s here; 5 s by default), and
-a pod that dies before joining a world the others are building holds them for the agents'
-``--timeout`` (``SoakConfig.timeout_s``) before that.
+A SIGKILLed pod's connection to the rendezvous ends at once (tidal_agent.presence): the
+leader counts it lost from that, and a world being built with it is not waited for, so the
+agents run with their default ``--lost-after`` (5 s of heartbeat silence, the backstop for a
+hung pod, which a SIGKILL never needs) and ``--timeout`` (120 s): a fault that waited on
+either would show as a recovery that long.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class SoakConfig:
     # trains 5 to 25 steps here (the replacement is seen joining about a second later).
     steps_per_fault: int = 24
     step_window: float = 3.0  # a step fault strikes within this many steps' time
-    timeout_s: float = 5.0  # the agents' --timeout: how long a dead joiner holds a switch
-    lost_after_s: float = 1.0  # the agents' --lost-after: the heartbeat silence of the lost
+    timeout_s: float = 120.0  # the agents' --timeout (their default)
+    lost_after_s: float = 5.0  # the agents' --lost-after: the backstop (their default)
     # Steps between peer snapshots (spec.checkpoint.snapshotEverySteps): every boundary, so
     # that every step's swap can be struck; None leaves the field out (the agent's default,
     # an interval chosen from the snapshots' measured cost).
