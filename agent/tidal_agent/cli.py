@@ -18,7 +18,7 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from tidal_api import ElasticTrainingJob, JobSpecError, parse_job
+from tidal_api import ElasticTrainingJob, JobSpecError, keys, parse_job
 from tidal_api.layout import LayoutError, ScheduleKind
 from tidal_api.spec import MAX_MTP_HEADS, MAX_SEQ_LEN
 from tidal_plan.devices import DeviceError, load_device
@@ -442,7 +442,7 @@ def _slowdown(text: str | None) -> tuple[int, int, float] | None:
 @click.option("--publish-interval", "publish_interval_s", type=click.FloatRange(min=0), default=2.0, show_default=True, help="Seconds between status patches (a new generation goes out at once).")
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl", "host", "nccl-model"]), default="auto", show_default=True, help="The transport: gloo (CPU), nccl (the pod's GPU), host (the pod's GPU, gloo through pinned host memory) or nccl-model (CPU, gloo under NCCL's rules: a test transport); auto: nccl where the pod has a GPU, else gloo. The GPU is the LOCAL_RANK-th (default the first) of those the pod was given (CUDA_VISIBLE_DEVICES).")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds before a silent peer or rendezvous is an error.")
-@click.option("--lost-after", "lost_after_s", type=click.FloatRange(min=1.0), default=5.0, show_default=True, help="On the fault path, seconds of heartbeat silence (a beat every 0.5 s) after which a member that has not reported counts as lost.")
+@click.option("--lost-after", "lost_after_s", type=click.FloatRange(min=1.0), default=5.0, show_default=True, envvar=keys.ENV_LOST_AFTER, help="The backstop: seconds of heartbeat silence (a beat every 0.5 s) after which a hung member counts as lost; one that dies is lost at once, from its ended connection (also $TIDAL_LOST_AFTER).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="TIDAL_METRICS_PORT", help="Serve Prometheus metrics on this port (also $TIDAL_METRICS_PORT; 0 or unset: off).")
 @click.option("--profiled-table/--modeled-table", "profiled_table", default=True, show_default=True, help="Profile each generation's first steps and publish the scale table planned from the profile (both predictors), or profile nothing and keep the modeling-based table (for GPUs that share CPU cores, as tidal local's do: the profile would see the cores).")
 @click.option("--slowdown", hidden=True, help="Tests only: FIRST:END:FACTOR makes this pod a straggler, its decoder-layer forwards FACTOR times as long in steps [FIRST, END).")

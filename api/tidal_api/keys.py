@@ -20,6 +20,7 @@ ENV_RENDEZVOUS_HOST = "TIDAL_RENDEZVOUS_HOST"
 ENV_RENDEZVOUS_PORT = "TIDAL_RENDEZVOUS_PORT"
 RENDEZVOUS_PORT = 29400
 ENV_METRICS_PORT = "TIDAL_METRICS_PORT"  # the agent serves Prometheus metrics there
+ENV_LOST_AFTER = "TIDAL_LOST_AFTER"  # tidal agent --lost-after: the heartbeat backstop
 METRICS_PORT = 9400
 
 # The agent's exit status once it stopped when asked (SIGTERM's, 128 + 15) without leaving as a

@@ -8,6 +8,7 @@ store on ``<job>-worker-0.<job>.<namespace>.svc`` through the headless Service.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tidal_api import API_VERSION, KIND, ElasticTrainingJob, keys
@@ -44,9 +45,17 @@ def rendezvous_host(name: str, namespace: str) -> str:
     return f"{worker_name(name, 0)}.{name}.{namespace}.svc"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerSettings:
+    """What the operator's own flags put in every worker pod."""
+
+    gpu_resource: str = "nvidia.com/gpu"  # the extended resource a worker's GPUs are asked as
+    lost_after_s: float = 5.0  # the agents' --lost-after (TIDAL_LOST_AFTER)
+
+
 def worker_pod(
     job: ElasticTrainingJob, *, uid: str, index: int, generation: int,
-    gpu_resource: str = "nvidia.com/gpu",
+    settings: WorkerSettings = WorkerSettings(),
 ) -> dict[str, Any]:
     """The pod of worker ``index``, created for ``generation``."""
     name, namespace = job.metadata.name, job.metadata.namespace or "default"
@@ -55,7 +64,7 @@ def worker_pod(
     pod_name = worker_name(name, index)
     resources = template.resources.model_dump(by_alias=True, exclude_none=True)
     limits = dict(resources.get("limits") or {})
-    limits[gpu_resource] = spec.gpus_per_worker
+    limits[settings.gpu_resource] = spec.gpus_per_worker
     resources["limits"] = limits
     env = [
         {"name": keys.ENV_JOB, "value": name},
@@ -64,6 +73,7 @@ def worker_pod(
         {"name": keys.ENV_RENDEZVOUS_HOST, "value": rendezvous_host(name, namespace)},
         {"name": keys.ENV_RENDEZVOUS_PORT, "value": str(keys.RENDEZVOUS_PORT)},
         {"name": keys.ENV_METRICS_PORT, "value": str(keys.METRICS_PORT)},
+        {"name": keys.ENV_LOST_AFTER, "value": f"{settings.lost_after_s:g}"},
         *template.env,
     ]
     container: dict[str, Any] = {

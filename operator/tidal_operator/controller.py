@@ -54,6 +54,12 @@ DEFAULT_WINDOW_S = 8 * 3600.0  # the arrival window while no job gives one
 class Config:
     gpu_resource: str = "nvidia.com/gpu"
     interval_s: float = 2.0
+    worker_lost_after_s: float = 5.0  # set in every worker pod (builders.WorkerSettings)
+
+    @property
+    def worker(self) -> builders.WorkerSettings:
+        return builders.WorkerSettings(gpu_resource=self.gpu_resource,
+                                       lost_after_s=self.worker_lost_after_s)
 
 
 def _one(store: Iterable[Any]) -> Any:
@@ -82,7 +88,7 @@ class Controller:
     last_round: float = 0.0
 
     def __post_init__(self) -> None:
-        self.lifecycle = Lifecycle(self.adapter, self.metrics, self.written)
+        self.lifecycle = Lifecycle(self.adapter, self.metrics, self.written, self.config.worker)
 
     # ---- one round -------------------------------------------------------------------------
 
@@ -326,7 +332,8 @@ class Controller:
         self.written.targets[view.key] = generation
         for name in join:
             await self.adapter.create(builders.worker_pod(
-                job, uid=view.uid, index=builders.worker_index(name), generation=generation))
+                job, uid=view.uid, index=builders.worker_index(name), generation=generation,
+                settings=self.config.worker))
         self.metrics.decided(view.namespace, view.name, decision.kind)
         await self.adapter.event(dict(view.body), reason="ScaleUp" if up else "ScaleDown",
                                  message=f"{decision.reason}: {line}", now=now)

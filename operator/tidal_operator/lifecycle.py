@@ -59,6 +59,7 @@ class Lifecycle:
     adapter: Adapter
     metrics: Metrics
     written: Written
+    worker: builders.WorkerSettings = builders.WorkerSettings()
 
     async def reconcile(self, view: JobView, pods: Mapping[str, Pod], now: float,
                         start: Decision | None = None) -> None:
@@ -103,7 +104,7 @@ class Lifecycle:
                 if name not in pods:
                     await self.adapter.create(builders.worker_pod(
                         job, uid=view.uid, index=builders.worker_index(name),
-                        generation=target.generation))
+                        generation=target.generation, settings=self.worker))
         await self._release(view, pods, applied, now)
         await self._report(view, pods, applied, now)
 
@@ -244,7 +245,7 @@ class Lifecycle:
         self.written.started[view.key] = view.uid
         for i in range(len(join)):
             await self.adapter.create(builders.worker_pod(job, uid=view.uid, index=i,
-                                                          generation=0))
+                                                          generation=0, settings=self.worker))
         why = f" ({start.message})" if start is not None else ""
         await self.adapter.event(dict(view.body), reason="Created", now=now,
                                  message=f"created {len(join)} worker pods: {', '.join(join)}"

@@ -21,13 +21,19 @@ from tidal_operator.controller import Config
               help="Seconds between control rounds.")
 @click.option("--gpu-resource", default="nvidia.com/gpu", show_default=True,
               help="Extended resource that counts GPUs on nodes and pods.")
+@click.option("--worker-lost-after", type=click.FloatRange(min=1.0), default=5.0,
+              show_default=True,
+              help="Set in every worker pod: tidal agent --lost-after, the seconds of "
+                   "heartbeat silence after which a hung member counts as lost (a member that "
+                   "dies is lost at once, from its ended connection).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port.")
 @click.option("--liveness", default=None, metavar="URL",
               help="kopf's health endpoint, e.g. http://0.0.0.0:8080/healthz.")
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging.")
 def main(kubeconfig: str | None, namespaces: tuple[str, ...], interval: float, gpu_resource: str,
-         metrics_port: int | None, liveness: str | None, verbose: bool) -> None:
+         worker_lost_after: float, metrics_port: int | None, liveness: str | None,
+         verbose: bool) -> None:
     """Run the operator until interrupted (one replica: it runs standalone, without peering)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -39,7 +45,8 @@ def main(kubeconfig: str | None, namespaces: tuple[str, ...], interval: float, g
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         liveness_endpoint=liveness,
-        memo=handlers.memo_for(Config(gpu_resource=gpu_resource, interval_s=interval),
+        memo=handlers.memo_for(Config(gpu_resource=gpu_resource, interval_s=interval,
+                                      worker_lost_after_s=worker_lost_after),
                                kubeconfig=kubeconfig, metrics_port=metrics_port),
     )
 

@@ -39,6 +39,7 @@ from tests.integration.test_operator import ETJ, table, wait_for
 from tidal_api import keys, parse_job
 from tidal_kube import localcluster
 from tidal_operator import builders
+from tidal_operator.main import main as operator_main
 from tidal_kube.apiserver import parse_path
 from tidal_kube.serving import EmulatorThread, write_kubeconfig
 
@@ -231,6 +232,10 @@ def test_the_operator_deployment_is_hardened_probed_and_single():
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert args["liveness"] == f"http://0.0.0.0:{ports['health']}/healthz"
     assert int(args["metrics-port"]) == ports["metrics"]
+    assert args["worker-lost-after"] == "5"  # workers.lostAfterSeconds
+    # Every rendered flag is one the operator takes.
+    params = operator_main.make_context("tidal-operator", list(container["args"])).params
+    assert params["worker_lost_after"] == 5.0 and params["gpu_resource"] == "nvidia.com/gpu"
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     binding = one(objs, "ClusterRoleBinding")

@@ -52,6 +52,18 @@ def test_worker_pod_is_owned_labelled_and_finds_its_leader(job):
     patient = job.model_copy(update={"spec": job.spec.model_copy(update={"template": template})})
     pod = builders.worker_pod(patient, uid="u-1", index=0, generation=0)
     assert pod["spec"]["terminationGracePeriodSeconds"] == 300
+    assert env[keys.ENV_LOST_AFTER] == "5"  # tidal agent's own default
+
+
+def test_the_operators_worker_settings_reach_every_worker_pod(job):
+    """--gpu-resource and --worker-lost-after (the chart's operator.gpuResource and
+    workers.lostAfterSeconds), as Controller and Lifecycle pass them (Config.worker)."""
+    settings = Config(gpu_resource="amd.com/gpu", worker_lost_after_s=2.5).worker
+    spec = builders.worker_pod(job, uid="u-1", index=1, generation=0, settings=settings)["spec"]
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert env[keys.ENV_LOST_AFTER] == "2.5"
+    assert pod_gpus(spec, "amd.com/gpu") == job.spec.gpus_per_worker
+    assert pod_gpus(spec, "nvidia.com/gpu") == 0
 
 
 def test_headless_service_selects_the_jobs_workers(job):
