@@ -383,8 +383,9 @@ def test_recovery_decisions_through_the_store(tmp_path):
     (tmp_path / "step-00000012").mkdir()  # a save that never finished: no marker
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=30), use_libuv=True)
-    box: dict = {"target": None}
     pods = ("j-worker-0", "j-worker-1", "j-worker-2")
+    # Generation 0 in this order whichever thread registers first, as the operator names it.
+    box: dict = {"target": Target(workers=3, generation=0, join=pods)}
 
     def connect():
         return dist.PrefixStore("j/", dist.TCPStore("127.0.0.1", host.port, is_master=False,
