@@ -101,7 +101,7 @@ def test_demo_grows_and_shrinks_through_the_operator_bitwise_as_a_static_run(tmp
     watcher = Watcher(kubeconfig, DP_JOB)
     demo = subprocess.Popen(
         [str(TIDAL), "local", "demo", "--job", "examples/demo-dp.yaml", "--minutes", "2",
-         "--steps", "200", "--nodes", "1",
+         "--steps", "120", "--nodes", "1",
          "--gpus-per-node", "4", "--arrival-rate", "0", "--burst-after", "5",
          "--workdir", str(tmp_path / "local"), "--kubeconfig", str(kubeconfig),
          "--report", str(report), "--plot", str(plot), "--no-live"],
@@ -136,13 +136,13 @@ def test_demo_grows_and_shrinks_through_the_operator_bitwise_as_a_static_run(tmp
         assert re.search(rf"Normal +{reason} +\S+ +tidal-operator ", described), described[-3000:]
 
     result = json.loads(report.read_text())
-    assert result["finished"] and result["steps"] == 200
+    assert result["finished"] and result["steps"] == 120
     assert result["phase"] == "Succeeded"  # the summary waited for the operator's verdict
-    assert "  static run: step 200/200" in output.splitlines(), output[-4000:]  # its progress
+    assert "  static run: step 120/120" in output.splitlines(), output[-4000:]  # its progress
     assert result["scale_ups"] >= 1 and result["scale_downs"] >= 1
     assert result["decisions"][0]["reason"] == "ScaleUp"  # the burst comes after it
     assert result["bitwise_equal"] is True and result["params_equal"] is True
-    assert result["static_steps"] == 200
+    assert result["static_steps"] == 120
     assert result["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any(a["burst"] for a in result["arrivals"])
     grown = [c for c in result["reconfigurations"] if c["workers"][1] > c["workers"][0]]
