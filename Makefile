@@ -15,7 +15,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
+	@# Byte-compiled on every core: pip compiles one file at a time (a minute more on 2 cores).
+	@# A file for a newer Python fails to compile here as under pip, and is left as it is.
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	$(BIN)/pip check
 	$(BIN)/python -m tidal_local.binaries
 	@$(MAKE) --no-print-directory prometheus
