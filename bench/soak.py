@@ -14,7 +14,7 @@ fault-free 2-worker run), the summary (faults by kind, steps replayed per fault,
 pauses, wall time) and, per fault, its kind, victim, the step it failed at and resumed from,
 and the pause. Exits 1 where the bits differ. Progress goes to stderr.
 
-    python bench/soak.py [--faults 1000] [--seed 0] [--workers 3] [--steps-per-fault 24]
+    python bench/soak.py [--faults 1000] [--seed 0] [--workers 3] [--steps-per-fault 12]
                          [--snapshot-every 1] [--lost-after 5] [--workdir DIR]
 """
 
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=3, help="the job's pods: 3 or 4")
-    parser.add_argument("--steps-per-fault", type=int, default=24,
+    parser.add_argument("--steps-per-fault", type=int, default=12,
                         help="the job's length, in steps per fault (its pace)")
     parser.add_argument("--snapshot-every", type=int, default=1,
                         help="spec.checkpoint.snapshotEverySteps (0: the agent's default, an "

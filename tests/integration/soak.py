@@ -80,9 +80,10 @@ class SoakConfig:
     faults: int = 1000
     seed: int = 0
     workers: int = 3
-    # The job's length: WARMUP + (faults + 1) * this. From a fault to the next one the job
-    # trains 5 to 25 steps here (the replacement is seen joining about a second later).
-    steps_per_fault: int = 24
+    # The job's length: WARMUP + (faults + 1) * this: the faults' pace. A recovery and the
+    # replacement's grow take well under a second each, so 12 leave the job training most
+    # of the time.
+    steps_per_fault: int = 12
     step_window: float = 3.0  # a step fault strikes within this many steps' time
     timeout_s: float = 120.0  # the agents' --timeout (their default)
     lost_after_s: float = 5.0  # the agents' --lost-after: the backstop (their default)
