@@ -29,6 +29,7 @@ import concurrent.futures
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -172,6 +173,15 @@ class LocalCluster:
             [str(exe), "--kubeconfig", str(self.kubeconfig), "--interval",
              str(self.config.operator_interval_s), "--metrics-port", str(self.metrics_port)],
             env=env, log_path=self.operator_log)
+
+    def restart_operator(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the operator (``sig`` to its process group, as a node's loss or an OOM kill
+        would end it) and start it again: a restarted operator carries on from what the API
+        holds, without duplicates (tests/e2e/test_operator_loss.py)."""
+        if self._operator is not None:
+            os.killpg(self._operator.pid, sig)
+            self._operator.wait()
+        self._start_operator()
 
     def check(self) -> None:
         """Raise :class:`ClusterError` if a part has stopped on its own."""
