@@ -143,9 +143,10 @@ class World:
         """Let go of the world's groups, subgroups first. ``abort`` (the fault path): nothing
         in flight is waited for, and members still blocked on this one fail now rather than
         at the timeout."""
-        if self not in _open:
-            return
-        _open.discard(self)
+        with _closing:  # once, whichever thread comes first (a builder's, the fault path's)
+            if self not in _open:
+                return
+            _open.discard(self)
         for sub in self._subgroups.values():
             sub.close(abort=abort)
         self.transport.close(abort=abort)
@@ -155,12 +156,18 @@ class World:
             self.transport.pg = self.cpu = None  # does not), and peers fail at once
 
 
-# Every world of this process not closed yet: the fault path aborts them all at once.
+# Every world of this process not closed yet: the fault path aborts them all at once, and the
+# worlds still being built as soon as they are.
 _open: weakref.WeakSet[World] = weakref.WeakSet()
+_building: weakref.WeakSet[WorldBuilder] = weakref.WeakSet()
+_closing = threading.Lock()
 
 
 def abort_worlds() -> int:
-    """Abort every world this process holds (a member failed); how many."""
+    """Abort every world this process holds (a member failed), and every world still being
+    built once it is (``WorldBuilder.abandon``); how many were open."""
+    for builder in list(_building):
+        builder.abandon()
     worlds = list(_open)
     for world in worlds:
         world.close(abort=True)
@@ -218,6 +225,9 @@ class WorldBuilder:
         self.generation, self.members, self.me = generation, members, me
         self._result: World | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._abandoned = False
+        _building.add(self)
         self._thread = threading.Thread(
             target=self._run, args=(prepare, rendezvous, generation, members, me),
             kwargs=kwargs, daemon=True)
@@ -227,11 +237,27 @@ class WorldBuilder:
     def _run(self, prepare: Callable[[World], None] | None, *args, **kwargs) -> None:
         try:
             world = build_world(*args, **kwargs)
-            if prepare is not None:
+            if prepare is not None and not self._abandoned:
                 prepare(world)
-            self._result = world
+            with self._lock:
+                self._result = world
+                abandoned = self._abandoned
+            if abandoned:
+                world.close(abort=True)
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             self._error = err
+        finally:
+            _building.discard(self)
+
+    def abandon(self) -> None:
+        """Nobody will use this world (the fault path, or a member died while it was built):
+        aborted now if built, else as soon as it is. Left open, a world the other members
+        finished building would hold them blocked on this one until the timeout."""
+        with self._lock:
+            self._abandoned = True
+            world = self._result
+        if world is not None:
+            world.close(abort=True)
 
     def result(self, timeout_s: float,
                gone: Callable[[tuple[str, ...]], set[str]] = lambda members: set(),
@@ -242,9 +268,11 @@ class WorldBuilder:
         deadline = time.monotonic() + timeout_s
         while self._thread.is_alive():
             if lost := gone(others):
+                self.abandon()
                 raise MemberGone(f"{', '.join(sorted(lost))} died while the world of "
                                  f"generation {self.generation} was built")
             if time.monotonic() > deadline:
+                self.abandon()
                 raise TimeoutError(f"building the world of generation {self.generation} took "
                                    f"more than {timeout_s:.0f} s")
             self._thread.join(poll_s)

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from tidal_agent.presence import Presence, PresenceServer
-from tidal_agent.world import MemberGone, Rendezvous, WorldBuilder
+from tidal_agent.world import MemberGone, Rendezvous, WorldBuilder, abort_worlds
 from tidal_local.processes import free_port
 
 TIMEOUT_S = 30
@@ -105,3 +105,22 @@ def test_a_world_with_a_dead_member_is_not_waited_for():
     assert time.monotonic() - started < 2.0
     with pytest.raises(TimeoutError, match="took more than 1 s"):
         WorldBuilder(rendezvous, 1, ("a", "b"), "a", name="train", store=store).result(1)
+
+
+def test_a_world_abandoned_while_built_is_aborted_once_built():
+    """The fault path abandons a world still being built: once its members connect it is
+    aborted at once, so the members that finished building it are not held by this one."""
+    port = free_port()
+    store = _store(port, master=True)
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, prefix="job/", timeout_s=TIMEOUT_S)
+    mine = WorldBuilder(rendezvous, 0, ("a", "b"), "a", name="train", store=store)
+    abort_worlds()  # "a" failed before "b" came: the world is not built yet
+    theirs = WorldBuilder(rendezvous, 0, ("a", "b"), "b", name="train",
+                          store=_store(port, master=False))
+    world = theirs.result(TIMEOUT_S)
+    # "b" waits on "a" in the world "a" abandoned: it fails now, not at the timeout.
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="Connection (closed|reset) by peer"):
+        world.barrier()
+    assert time.monotonic() - started < 5.0
+    assert mine._result is not None and mine._result.transport.pg is None  # aborted, let go
