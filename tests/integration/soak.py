@@ -166,6 +166,7 @@ class SoakRun:
     faults: list[Fault]
     grows_s: list[float]  # a replacement's grow target written to applied in status
     wall_s: float
+    stillborn: list[str]  # spares whose process never started (replaced, never named)
 
     @property
     def differs(self) -> str | None:
@@ -197,21 +198,23 @@ class SoakRun:
             # The leader's: the failure to training again.
             "pause_s": _spread([f.recovery["pause_s"] for f in self.faults]),
             # The soak's: the kill to the survivors' generation in status.
-            "recovered_s": _spread([f.recovered_s for f in self.faults]),
+            "recover_s": _spread([f.recovered_s for f in self.faults]),
             "regrow_s": _spread(self.grows_s) if self.grows_s else None,
             "steps": self.config.steps,
             "workers": self.config.workers,
             "snapshot_every": self.config.snapshot_every,
             "wall_s": self.wall_s,
             "seconds_per_fault": self.wall_s / len(self.faults),
+            "stillborn_spares": self.stillborn,
         }
 
 
 def _spread(values: list[float]) -> dict[str, float]:
-    """Median, 90th percentile and maximum."""
+    """Median, 90th and 99th percentiles and maximum."""
     values = sorted(values)
     return {"median": statistics.median(values),
-            "p90": values[min(len(values) - 1, int(0.9 * len(values)))], "max": values[-1]}
+            "p90": values[min(len(values) - 1, int(0.9 * len(values)))],
+            "p99": values[min(len(values) - 1, int(0.99 * len(values)))], "max": values[-1]}
 
 
 class _LeaderLog:
@@ -310,6 +313,7 @@ class FaultSoak:
         self.members: tuple[str, ...] = ()  # as the status shows them
         self.pending: list[str] = []  # the newest target's joiners that are no members yet
         self.spares: list[str] = []  # started, named by no target
+        self.stillborn: list[str] = []
         self.killed: set[str] = set()
         self.generation = 0  # the newest target's
         self.grow_written = 0.0  # when the newest grow target was written (monotonic)
@@ -342,13 +346,16 @@ class FaultSoak:
         self._match(report["recoveries"])
         static = self.static.result(600)
         return SoakRun(config=config, doc=self.doc, report=report, static=static,
-                       faults=self.faults, grows_s=self.grows_s,
+                       faults=self.faults, grows_s=self.grows_s, stillborn=self.stillborn,
                        wall_s=time.monotonic() - self._began)
 
     def _print_logs(self, lines: int = 15) -> None:
         """The last lines of every pod's log, for a failed soak's report (pytest shows what a
         failed test printed)."""
         for pod in self.pods.procs:
+            if not self.pods.log_path(pod).exists():
+                print(f"---- {pod}: no log (its process never started) ----")
+                continue
             tail = self.pods.log(pod).splitlines()[-lines:]
             print(f"---- {pod} ({'killed' if pod in self.killed else 'running'}), the last "
                   f"{len(tail)} lines of its log ----", *tail, sep="\n")
@@ -377,6 +384,22 @@ class FaultSoak:
         still starting (it could not reach the rendezvous any more)."""
         while len(self.spares) < min(SPARES, remaining):
             self.spares.append(self._start_pod())
+
+    def _spare(self, within_s: float = 30.0) -> str:
+        """The oldest spare whose process has started (its log exists). A fork that has not
+        written its log within ``within_s`` of the ask is killed, counted and replaced: seen
+        once in 100 faults here, a forked pod that never ran its first line."""
+        while True:
+            pod = self.spares.pop(0) if self.spares else self._start_pod()
+            deadline = time.monotonic() + within_s
+            while not self.pods.log_path(pod).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.pods.log_path(pod).exists():
+                return pod
+            self.progress(f"{pod} never started: killed and replaced")
+            self.pods.kill(pod)
+            self.killed.add(pod)
+            self.stillborn.append(pod)
 
     def _finish(self) -> None:
         """Every pod not killed exits 0: the leader once the report is written, the members at
@@ -410,7 +433,7 @@ class FaultSoak:
             self.pending = []
             return
         missing = self.config.workers - len(self.members) - len(self.pending)
-        self.pending += [self.spares.pop(0) for _ in range(missing)]
+        self.pending += [self._spare() for _ in range(missing)]
         self.generation = max(self.generation, status.get("generation", 0)) + 1
         set_status(self.api, {"target": {
             "workers": self.config.workers, "generation": self.generation,
