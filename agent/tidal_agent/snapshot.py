@@ -45,7 +45,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +184,9 @@ class _Swap:
                  copied: torch.cuda.Event | None) -> None:
         self.ward = ward
         self.error: BaseException | None = None
+        # Its keeper and its ward: the two members whose loss can leave it waiting.
+        self.peers = tuple({world.members[(world.rank + 1) % world.size],
+                            world.members[(world.rank - 1) % world.size]})
         self.seconds = 0.0
         self._thread = threading.Thread(target=self._run, args=(world, own.flat, copied),
                                         name="tidal-snapshot-swap", daemon=True)
@@ -206,8 +209,15 @@ class _Swap:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def join(self) -> BaseException | None:
-        self._thread.join()
+    def join(self, gone: Callable[[tuple[str, ...]], set[str]] | None = None,
+             poll_s: float = 0.05) -> BaseException | None:
+        """Wait for the swap to end; its error, if any. With ``gone``, not past the moment it
+        names a peer: a gloo operation whose peer died does not always fail (seen: a swap
+        blocked to its 120 s timeout on the fault path), so its copy is given up instead."""
+        while self._thread.is_alive():
+            if gone is not None and (lost := gone(self.peers)):
+                return RuntimeError(f"{', '.join(sorted(lost))} died during the swap")
+            self._thread.join(poll_s)
         return self.error
 
 
@@ -278,13 +288,14 @@ class PeerSnapshots:
         """A step of ``seconds`` was trained (for the automatic interval)."""
         self.cadence.stepped(seconds)
 
-    def settle(self) -> None:
+    def settle(self, gone: Callable[[tuple[str, ...]], set[str]] | None = None) -> None:
         """Wait for the swap under way, if any: from now on the ward's copy counts. A swap
-        that failed (a neighbour lost) raises, its copy of the ward discarded."""
+        that failed (a neighbour lost, or, with ``gone``, one it names) raises, its copy of
+        the ward discarded."""
         swap, self._swap = self._swap, None
         if swap is None:
             return
-        error = swap.join()
+        error = swap.join(gone)
         self.swap_s = swap.seconds
         if error is not None:
             raise RuntimeError(f"the peer snapshot swap failed: {error}") from error

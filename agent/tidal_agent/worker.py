@@ -329,7 +329,7 @@ class _Worker:
             # Settled first: a ward's copy that arrives whole counts. One that fails (a
             # neighbour lost) does not; the failure itself is this one.
             with contextlib.suppress(RuntimeError):
-                self.snapshots.settle()
+                self.snapshots.settle(gone=self.source.gone)
         # Aborted and let go, every world of the failed generation (the next one's too, if
         # built) closes its connections now, so members still blocked on this one fail at
         # once, NCCL's included, rather than at the timeout. Operations still held (by the

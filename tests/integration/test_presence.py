@@ -124,3 +124,38 @@ def test_a_world_abandoned_while_built_is_aborted_once_built():
         world.barrier()
     assert time.monotonic() - started < 5.0
     assert mine._result is not None and mine._result.transport.pg is None  # aborted, let go
+
+
+def test_a_swap_waited_for_on_the_fault_path_ends_once_its_peer_is_gone():
+    """A peer snapshot swap whose peer never takes part (dead, though gloo did not say so) is
+    given up as soon as ``gone`` names that peer, not waited for to the group's timeout."""
+    import threading
+
+    import torch
+
+    from tidal_agent.snapshot import _Copy, _Swap
+    from tidal_agent.world import build_world
+
+    port = free_port()
+    store = _store(port, master=True)
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, prefix="job/", timeout_s=TIMEOUT_S)
+    worlds = {}
+
+    def join(me, store):
+        worlds[me] = build_world(rendezvous, 0, ("a", "b"), me, store=store, cpu_group=True)
+
+    other = threading.Thread(target=join, args=("b", _store(port, master=False)))
+    other.start()
+    join("a", store)
+    other.join(TIMEOUT_S)
+
+    def copy(owner):
+        return _Copy(cut=None, owner=owner, buffer=torch.zeros(4), index={"w": (0, 4)})
+
+    swap = _Swap(worlds["a"], copy("a"), copy("b"), None)  # "b" never swaps: it hangs
+    assert swap.peers == ("b",)
+    started = time.monotonic()
+    error = swap.join(gone=lambda peers: {"b"} & set(peers))
+    assert time.monotonic() - started < 2.0
+    assert isinstance(error, RuntimeError) and "b died during the swap" in str(error)
+    assert swap.running  # its thread is left to fail on its own
