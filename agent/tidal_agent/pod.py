@@ -185,7 +185,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     stop = _stop_on_sigterm(identity.pod)
     store = rendezvous.connect()
     # Beside the store, on the leader: each other pod's connection, whose end says it died.
-    watch = PresenceServer(rendezvous.connect()) if leading else None
+    presence_server = PresenceServer(rendezvous.connect()) if leading else None
     source = ControlledGenerations(
         me=identity.pod, leader=identity.leader, store=store, min_workers=spec.workers.min,
         steps=steps, choose=choose, target=link.target, report=report,
@@ -226,7 +226,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     result = _leader_report(identity.job, spec, source, report, store)
     _end(source, store, steps, result, report_path, timeout_s,
          finished=partial(link.publish, step=steps))
-    watch.close()
+    presence_server.close()
     del host  # only now may the store go down
     return result
 
