@@ -172,7 +172,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     ) if leading else None
     rendezvous = Rendezvous(host=identity.rendezvous_host, port=identity.rendezvous_port,
                             prefix=f"{identity.job}/", timeout_s=timeout_s, transport=transport)
-    report = AgentReport(link if leading else None, metrics=metrics,
+    report = AgentReport(link if leading else None, metrics=metrics, final_step=steps,
                          tokens_per_step=spec.training.global_batch_size * spec.model.seq_len)
     device = load_device(plan_device or default_plan_device(where.device.type))
     planner = LayoutPlanner(job, device)

@@ -34,8 +34,12 @@ class AgentReport(Listener):
     """
 
     def __init__(self, link: ControlLink | None, *, tokens_per_step: int, window: int = 10,
-                 metrics: JobMetrics | None = None):
+                 metrics: JobMetrics | None = None, final_step: int | None = None):
         self.link, self.tokens_per_step, self.metrics = link, tokens_per_step, metrics
+        # status.step at the job's last step says the job is done (the operator marks it
+        # Succeeded): not published with that step but by the leader's end, once its report
+        # is written.
+        self.final_step = final_step
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -69,7 +73,9 @@ class AgentReport(Listener):
                                  self.tokens_per_step / seconds)
             self.metrics.speeds(event.speeds, len(self._flagged))
         if self.link is not None:
-            self.link.publish(step=event.step + 1, loss=event.loss, step_seconds=seconds,
+            done = event.step + 1
+            progress = {"step": done} if done != self.final_step else {}
+            self.link.publish(**progress, loss=event.loss, step_seconds=seconds,
                               tokens_per_second=self.tokens_per_step / seconds)
 
     def on_reconfigured(self, event: Reconfigured) -> None:

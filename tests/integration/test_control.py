@@ -144,6 +144,29 @@ def test_stragglers_go_to_status_events_and_metrics(emulator, api):
         link.close()
 
 
+def test_the_last_step_is_left_for_the_leaders_end_to_publish(emulator, api):
+    """status.step at the job's last step marks it Succeeded: the last step's loss goes out
+    with the step before it, and only the leader's end (its report written) says it is done."""
+    create(api, job_doc())
+    link = ControlLink("tiny", NAMESPACE, kubeconfig=emulator.url, publish_interval_s=0.1,
+                       watch_timeout_s=1)
+    link.job()
+    link.start()
+    report = AgentReport(link, tokens_per_step=64, final_step=15)
+    layout = _layout(2)
+    try:
+        for step, loss in ((13, 2.0), (14, 1.5)):
+            report.put(Stepped(worker="tiny-worker-0", step=step, loss=loss, loss_hex="",
+                               grad_norm=1.0, lr=1e-3, seconds=0.5, snapshot_s=None,
+                               layout=layout, speeds={}))
+        until(lambda: status(api).get("loss") == 1.5, 10, "the last step's loss")
+        assert status(api)["step"] == 14
+        link.publish(step=15)
+        until(lambda: status(api).get("step") == 15, 10, "the leader's end")
+    finally:
+        link.close()
+
+
 def test_api_errors_are_retried_not_raised(emulator, api):
     # Publishing to a job that does not exist yet: 404s, retried until it does.
     link = ControlLink("late", NAMESPACE, kubeconfig=emulator.url, publish_interval_s=0.1,
