@@ -451,7 +451,8 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
     """Run this pod's worker of an ElasticTrainingJob, as the operator starts it.
 
     The pod's identity comes from TIDAL_JOB, TIDAL_NAMESPACE, TIDAL_POD, TIDAL_RENDEZVOUS_HOST
-    and TIDAL_RENDEZVOUS_PORT. <job>-worker-0 leads: it hosts the rendezvous, applies
+    and TIDAL_RENDEZVOUS_PORT (the job's rendezvous pod, tidal rendezvous). <job>-worker-0
+    leads first, and a survivor takes the lead if the leader is lost: the leader applies
     status.target at step boundaries and publishes the job's progress in status. A pod the
     target releases hands its state over and exits 0.
     """
@@ -463,7 +464,7 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request otherwise
     from tidal_agent.link import ControlError
     from tidal_agent.pod import PodIdentity, pod_transport, run_agent
-    from tidal_agent.protocol import LeaderLost
+    from tidal_agent.protocol import RendezvousLost
 
     try:
         transport = pod_transport(backend)
@@ -474,7 +475,7 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
                            report_path=report, metrics_port=metrics_port, profiled_table=profiled_table,
                            slowdown=_slowdown(slowdown))
     except (ControlError, JobSpecError, LayoutError, DeviceError, DeviceChoiceError,
-            LeaderLost) as err:
+            RendezvousLost) as err:
         raise click.ClickException(str(err)) from None
     if "params_sha256" in result:
         last = result["steps"][-1] if result["steps"] else None
@@ -486,6 +487,38 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
     else:
         _console.print(f"{identity.pod}: released" + (
             f" at step {result['left_at']}" if result["left_at"] is not None else " from standby"))
+
+
+@main.command()
+@click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds a store client waits on anything.")
+def rendezvous(timeout_s) -> None:
+    """Host an ElasticTrainingJob's rendezvous (its store and presence server), as the operator
+    starts it in the job's <job>-rendezvous pod, apart from every worker so that it outlives
+    any one of them.
+
+    The job and port come from TIDAL_JOB and TIDAL_RENDEZVOUS_PORT. It exits 0 once the job's
+    last leader is done with it, or on SIGTERM.
+    """
+    import logging
+    import os
+    import signal
+    import threading
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    job = os.environ.get(keys.ENV_JOB)
+    port = os.environ.get(keys.ENV_RENDEZVOUS_PORT) or str(keys.RENDEZVOUS_PORT)
+    if not job:
+        raise click.ClickException(f"set {keys.ENV_JOB}: the operator puts it in the pod")
+    if not port.isdigit():
+        raise click.ClickException(f"{keys.ENV_RENDEZVOUS_PORT}={port!r} is not a port number")
+    from tidal_agent.host import serve
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        serve(int(port), f"{job}/", timeout_s=timeout_s, stop=stop)
+    except RuntimeError as err:  # c10d's: the port is taken
+        raise click.ClickException(f"cannot host the rendezvous on port {port}: {err}") from None
 
 
 @main.command()

@@ -2,9 +2,10 @@
 
 ``ControlledGenerations`` is the worker's generation source (tidal_agent.protocol) when
 membership comes from the operator. Pods agree through the job's rendezvous store (a TCPStore
-on the leader, ``<job>-worker-0``): every pod registers; generation 0 is the pods that a
+in a pod of its own, tidal_agent.host): every pod registers; generation 0 is the pods that a
 generation-0 target joins (the operator writes one as it creates the job's first pods), or
-without one the leader and the first ``spec.workers.min - 1`` other pods to register; any
+without one the first leader (``<job>-worker-0``) and the first ``spec.workers.min - 1``
+other pods to register; any
 other pod waits in standby until a target names it. At every step boundary the leader compares
 the target's generation with the applied one and writes ``ctl/<step>``: ``null`` or the next
 generation, which switches at the following step if it grows (its world is built while this
@@ -13,7 +14,8 @@ reads that key before the step, so all switch at the same boundary; a joiner rea
 ``gen/<pod>``. A scale-up is announced once every pod it joins has registered. When a member is
 lost (the operator deleted it at a drain deadline, or its node went), the survivors agree
 through the store on a generation without it, which resumes from the peer snapshots of the
-step in flight or from the job's last complete checkpoint (``recover``).
+step in flight or from the job's last complete checkpoint (``recover``). The leader is lost
+like any member: a survivor takes the lead, from the state the leader kept in the store.
 
 One class over one namespace of store keys: the boundary protocol and the fault path share
 its bookkeeping (the generations announced, their layouts, the recoveries so far), which is
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 from tidal_agent import checkpoint
 from tidal_agent.presence import Presence
-from tidal_agent.protocol import Halt, LeaderLost, Recovery
+from tidal_agent.protocol import Halt, Recovery, RendezvousLost
 from tidal_agent.report import AgentReport
 from tidal_agent.snapshot import Cut, choose_cut
 from tidal_api import Target
@@ -48,7 +50,8 @@ log = logging.getLogger("tidal.agent")
 
 
 class LeaderRecovering(RuntimeError):
-    """The leader took the fault path: a member waiting at a step boundary takes it too."""
+    """The leader took the fault path, or is lost: a member waiting at a step boundary takes
+    the fault path too."""
 
 
 Chooser = Callable[[int], tuple[Layout, float | None]]
@@ -69,7 +72,10 @@ def _gen_from(data: Mapping[str, Any]) -> tuple[Generation, Layout]:
 class ControlledGenerations:
     """A ``GenerationSource`` driven by the operator's targets, agreed on through the store.
 
-    The leader decides; everyone else reads. Keys (under the rendezvous prefix):
+    The leader (the first member of the newest generation) decides; everyone else reads. Keys
+    (under the rendezvous prefix): ``leader/state`` (what the leader decides from: its newest
+    generation, the newest target generation acted on, the members lost; a new leader starts
+    from it),
     ``reg/count`` and ``reg/<n>`` (pods in registration order), ``pod/<pod>`` (registered),
     ``gen/<pod>`` (the generation a pod starts in, the one before it, the number of
     recoveries so far and, for generation 0, the checkpoint it starts from),
@@ -79,8 +85,10 @@ class ControlledGenerations:
     leader is recovering), ``end`` (the step training ended at:
     standby pods leave), ``beat/<pod>`` (a counter each pod's heartbeat thread advances) and,
     for the k-th recovery, ``fault/<k>/at/<pod>`` (a survivor's report) and
-    ``fault/<k>/decision`` (the leader's: where the survivors go on, or why they cannot);
-    ``presence`` and ``gone/...`` are tidal_agent.presence's.
+    ``fault/<k>/decision`` (the leader's: where the survivors go on, or why they cannot),
+    ``fault/<k>/decider`` (who decides it: the leader, or the survivor that took the lead from
+    it); ``presence`` and ``gone/...`` are tidal_agent.presence's, ``closed``
+    tidal_agent.host's.
 
     The fault path (``recover``): every survivor reports; the leader waits until each member of
     the failed generation (and of one announced after it) has either reported or is lost: its
@@ -98,8 +106,14 @@ class ControlledGenerations:
     Generation 0 starts from the newest complete checkpoint under ``checkpoint_root`` if there
     is one (the job restarted, or was applied again), else from step 0.
 
-    The leader lost (its store gone): the job cannot go on, but what the peer snapshots hold
-    need not be lost with it. The other members agree without the store (``rescue``: a
+    The leader lost: a member waiting for its word (at a step boundary, on the fault path)
+    looks every ``leader_wait_s`` whether it is lost, as the fault path counts members lost,
+    and the first survivor to see it takes the lead (``fault/<k>/decider``): it loads the
+    leader's state, calls ``on_lead`` and decides the fault as the leader would have, first
+    in the survivors' generation.
+
+    The rendezvous lost (the store gone): the job cannot go on, but what the peer snapshots
+    hold need not be lost with it. The members agree without the store (``rescue``: a
     FileStore under ``checkpoint_root``, named by the run's id, which every pod learns with its
     generation) on the newest boundary they hold whole, rebuild it in a layout of theirs and
     save it, for the operator's restart to start from.
@@ -125,8 +139,19 @@ class ControlledGenerations:
         rescue_wait_s: float = 30.0,
         stop: threading.Event | None = None,
         presence: Presence | None = None,
+        leader_wait_s: float = 1.0,
     ) -> None:
+        # The leader: generation 0's first member (``leader``), then the first member of each
+        # generation this pod learns of; a survivor that takes the lead from a lost leader
+        # puts itself first in the survivors' generation.
         self.me, self._leader, self.store = me, leader, store
+        # How often a member waiting for the leader's word looks whether the leader is lost.
+        self.leader_wait_s = leader_wait_s
+        # Called when this pod takes the lead from a lost leader, before it decides anything:
+        # the pod's part (its link to the API server, the report's history).
+        self.on_lead: Callable[[], None] = lambda: None
+        self._state: tuple | None = None  # the leader's state as last saved (``_save_state``)
+        self._heard: dict[str, tuple[int, float]] = {}  # member -> (its beats, when they moved)
         self.presence = presence  # how a pod that died is known at once (tidal_agent.presence)
         self.stop = stop  # set on SIGTERM: a pod in standby leaves at once; the leader halts
         self.departed = False  # this pod left unasked (depart)
@@ -178,7 +203,7 @@ class ControlledGenerations:
         n = self.store.add("reg/count", 1)
         self.store.set(f"reg/{n}", self.me)
         self.store.set(f"pod/{self.me}", str(n))
-        if self.presence is not None and self.me != self._leader:  # its end is the store's
+        if self.presence is not None:
             self.presence.announce(self.me, n)
         return n
 
@@ -207,6 +232,7 @@ class ControlledGenerations:
         data = json.loads(self.store.get(key))
         gen, layout = _gen_from(data)
         self._layouts[gen.key] = layout
+        self._leader = gen.members[0]
         self.recoveries = data.get("recoveries", 0)
         self.run = data.get("run", "")
         previous = None
@@ -237,6 +263,7 @@ class ControlledGenerations:
         if self._report is not None:
             self._report.planned(0, predicted)
             self._report.applied(gen, layout)
+        self._save_state()
         return gen
 
     def _initial_members(self) -> tuple[str, ...]:
@@ -270,7 +297,7 @@ class ControlledGenerations:
         if self._switched_at == (self.recoveries, step):
             return None
         if self.me != self._leader:
-            data = json.loads(self.store.get(key))
+            data = json.loads(self._leaders_word(key, f"step {step}"))
             if data is None:
                 return None
             if "fault" in data:
@@ -301,7 +328,58 @@ class ControlledGenerations:
                      list(following.members), layout.describe(), following.at_step)
         if step >= 2:  # everyone has read it: members read every key in turn
             self.store.delete_key(f"ctl/{self.recoveries}/{step - 2}")
+        self._save_state()
         return following
+
+    def _leaders_word(self, key: str, where: str) -> bytes:
+        """``key`` once the leader writes it; ``LeaderRecovering`` if the leader is lost
+        first (looked at every ``leader_wait_s``): the fault path, where a survivor takes the
+        lead."""
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=self.leader_wait_s))
+                return self.store.get(key)
+            except dist.DistNetworkError:
+                raise
+            except dist.DistStoreError:  # not written yet (a timeout)
+                if self._lost(self._leader, time.monotonic()):
+                    raise LeaderRecovering(f"at {where}: the leader {self._leader} is "
+                                           "lost") from None
+
+    def _lost(self, pod: str, now: float) -> bool:
+        """Whether ``pod`` is lost: its connection to the rendezvous ended (``gone``), it said
+        goodbye, or, the backstop for a hung one, its heartbeat has been silent for
+        ``lost_after_s`` (a hung process keeps its connection)."""
+        if self.gone((pod,)) or self.store.check([f"bye/{pod}"]):
+            return True
+        beats = self.store.add(f"beat/{pod}", 0)
+        if pod not in self._heard or self._heard[pod][0] != beats:
+            self._heard[pod] = (beats, now)
+        return now - self._heard[pod][1] >= self.lost_after_s
+
+    def _save_state(self) -> None:
+        """The leader's: what a new leader would decide from (``leader/state``), if it
+        changed."""
+        if self.me != self._leader or self.current is None:
+            return
+        state = (self.current, self.applied, frozenset(self.lost))
+        if state == self._state:
+            return
+        self.store.set("leader/state", json.dumps({
+            "current": _gen_json(self.current, self.layout(self.current)),
+            "applied": self.applied, "lost": sorted(self.lost)}))
+        self._state = state
+
+    def _take_lead(self, lost: str) -> None:
+        """This survivor leads from now on, in place of ``lost``: the leader's state from the
+        store, then the pod's part (``on_lead``)."""
+        log.warning("%s takes the lead: the leader %s is lost", self.me, lost)
+        data = json.loads(self.store.get("leader/state"))
+        self.current, layout = _gen_from(data["current"])
+        self._layouts[self.current.key] = layout
+        self.applied, self.lost = data["applied"], set(data["lost"])
+        self._leader = self.me
+        self.on_lead()
 
     @property
     def replans(self) -> bool:
@@ -322,6 +400,7 @@ class ControlledGenerations:
             log.info("step %d: generation %d revision %d (%s) in %s", at_step - 1,
                      following.index, following.revision, list(following.members),
                      layout.describe())
+            self._save_state()
         return following
 
     def _switching(self, following: Generation, step: int) -> Generation:
@@ -357,21 +436,16 @@ class ControlledGenerations:
             self.store.set(f"{fault}/at/{me}", json.dumps(
                 {"step": step, "error": f"{type(error).__name__}: {error}"[:500],
                  "held": held or {}}))
-            if me == self._leader:
-                decision = self._recovery(trained, step, fault, error)
-                self.store.set(f"{fault}/decision", json.dumps(decision))
-            else:
-                # The leader may wait fault_wait_s for members, then plan: wait past that.
-                self.store.wait([f"{fault}/decision"], timedelta(seconds=self.fault_wait_s + 60))
-                decision = json.loads(self.store.get(f"{fault}/decision"))
+            decision = self._decision(trained, step, fault, error)
         except dist.DistNetworkError as err:  # (a timeout is DistStoreError: not this)
-            raise LeaderLost(f"the rendezvous store on {self._leader} is gone: {err}") from error
+            raise RendezvousLost(f"the job's rendezvous store is gone: {err}") from error
         self.recoveries += 1
         if "abort" in decision:
             log.error("no recovery: %s", decision["abort"])
             raise error
         gen, layout = _gen_from(decision["generation"])
         self._layouts[gen.key] = layout
+        self._leader = gen.members[0]
         cut = Cut.from_json(decision["snapshot"]) if decision.get("snapshot") else None
         source = ("peer snapshots" if cut is not None else decision["checkpoint"]
                   or "from scratch")
@@ -385,15 +459,42 @@ class ControlledGenerations:
                         lost=tuple(decision["lost"]), snapshot=cut,
                         left=tuple(decision.get("left", ())))
 
+    def _decision(self, trained: Generation, step: int, fault: str,
+                  error: Exception) -> dict[str, Any]:
+        """The fault's decision: made here if this pod leads, or takes the lead from a lost
+        leader (or a lost survivor that had taken it), else waited for."""
+        claim, decided = f"{fault}/decider", f"{fault}/decision"
+        # The leader may wait fault_wait_s for members, then plan: wait past that.
+        deadline = time.monotonic() + self.fault_wait_s + 60
+        while True:
+            decider = (self.store.get(claim).decode() if self.store.check([claim])
+                       else self._leader)
+            if decider == self.me or self._lost(decider, time.monotonic()):
+                expected = decider if self.store.check([claim]) else ""
+                if self.store.compare_set(claim, expected, self.me).decode() == self.me:
+                    if self._leader != self.me:
+                        self._take_lead(decider)
+                    decision = self._recovery(trained, step, fault, error)
+                    self.store.set(decided, json.dumps(decision))
+                    return decision
+            try:
+                self.store.wait([decided], timedelta(seconds=self.leader_wait_s))
+                return json.loads(self.store.get(decided))
+            except dist.DistNetworkError:
+                raise
+            except dist.DistStoreError:  # not decided yet (a timeout)
+                if time.monotonic() > deadline:
+                    raise
+
     def rescue(self, me: str, trained: Generation,
                held: dict[str, Any] | None) -> tuple[Generation, Cut, dist.Store] | None:
-        """The leader is lost, and the store with it: the other members of ``trained`` agree
+        """The rendezvous is lost, and the store with it: the members of ``trained`` agree
         through a FileStore under ``checkpoint_root`` on the newest boundary their peer
         snapshots hold whole. Their generation (whose world saves that boundary's copies as
         they are), the cut, and the store to build its world on; None where that cannot be: no
         checkpoint root or snapshots, a member missing after ``rescue_wait_s``, no whole
         boundary."""
-        survivors = tuple(p for p in trained.members if p != self._leader)
+        survivors = trained.members
         if not self.checkpoint_root or held is None or not self.run or me not in survivors:
             return None
         path = Path(self.checkpoint_root) / f".rescue-{self.run}-{self.recoveries}"
@@ -432,7 +533,8 @@ class ControlledGenerations:
         if not lost:
             return {"abort": f"every member survived the failure at step {step} "
                              f"({type(error).__name__}: {error}); not a lost worker"}
-        survivors = tuple(p for p in members if p in reported)
+        # This pod leads the survivors: first (rank 0) where it took the lead from a lost one.
+        survivors = (self.me, *(p for p in members if p in reported and p != self.me))
         index = self.applied
         if (target is not None and set(lost) <= released and target.workers == len(survivors)
                 and target.generation >= self.applied):
@@ -457,6 +559,7 @@ class ControlledGenerations:
         self._layouts[gen.key] = layout
         self.current, self.applied = gen, index
         self.lost.update(lost)
+        self._save_state()
         if self._report is not None:
             self._report.planned(index, predicted)
         left = [p for p in lost if self.store.check([f"bye/{p}"])]
@@ -470,23 +573,10 @@ class ControlledGenerations:
         (the reporters, the lost in member order). A member neither reporting nor lost by
         ``fault_wait_s`` counts as lost."""
         deadline = time.monotonic() + self.fault_wait_s
-        heard: dict[str, tuple[int, float]] = {}  # member -> (its beat count, when it moved)
         while True:
             now = time.monotonic()
             reported = {p for p in members if self.store.check([f"{fault}/at/{p}"])}
-            gone = self.gone(tuple(members))
-            silent = []
-            for pod in members:
-                if pod in reported:
-                    continue
-                if pod in gone or self.store.check([f"bye/{pod}"]):  # dead, or it left
-                    silent.append(pod)  # when asked to stop
-                    continue
-                beats = self.store.add(f"beat/{pod}", 0)
-                if pod not in heard or heard[pod][0] != beats:
-                    heard[pod] = (beats, now)
-                if now - heard[pod][1] >= self.lost_after_s:
-                    silent.append(pod)
+            silent = [p for p in members if p not in reported and self._lost(p, now)]
             if len(reported) + len(silent) == len(members):
                 return reported, silent
             if now > deadline:

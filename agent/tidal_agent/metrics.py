@@ -118,8 +118,16 @@ class AgentMetrics:
         self.registry = CollectorRegistry()
         Gauge("up", "1 while this agent runs.", ("namespace", "job", "pod"), namespace="tidal",
               subsystem="agent", registry=self.registry).labels(namespace, job, pod).set(1)
+        self.namespace, self.job_name = namespace, job
         self.job = JobMetrics(self.registry, namespace, job) if leader else None
         self._server = None
+
+    def lead(self) -> JobMetrics:
+        """This agent leads from now on (it took the lead from a lost leader): the job's
+        series, from zero in this pod's registry."""
+        if self.job is None:
+            self.job = JobMetrics(self.registry, self.namespace, self.job_name)
+        return self.job
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` on ``port`` (0: any free port) from a daemon thread; the port."""

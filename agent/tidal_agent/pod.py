@@ -1,11 +1,13 @@
 """``tidal agent``: one pod's worker of an ElasticTrainingJob, its identity from the environment.
 
 ``run_agent`` reads the job through its ``ControlLink`` (tidal_agent.link), joins the job's
-rendezvous (hosting its store on the leader, ``<job>-worker-0``), and trains through the
+rendezvous (its store in the job's rendezvous pod, tidal_agent.host), and trains through the
 generations the operator's targets give (``ControlledGenerations``, tidal_agent.generations),
-reporting on the leader through an ``AgentReport`` (tidal_agent.report). SIGTERM stops it at the
-next step boundary; the leader, asked to stop, halts the job there. Its GPU is what the pod was
-given (``pod_transport``), never a number in its name.
+reporting on the leader through an ``AgentReport`` (tidal_agent.report). ``<job>-worker-0``
+leads first; a survivor takes the lead from a lost leader, and with it the link to the API
+server and the report's history. SIGTERM stops it at the next step boundary; the leader, asked
+to stop, halts the job there. Its GPU is what the pod was given (``pod_transport``), never a
+number in its name.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from functools import partial
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,10 @@ from tidal_agent.devices import plan_device as default_plan_device  # _run has a
 from tidal_agent.events import Profiled
 from tidal_agent.generations import ControlledGenerations
 from tidal_agent.link import ControlError, ControlLink
-from tidal_agent.metrics import AgentMetrics, JobMetrics
+from tidal_agent.metrics import AgentMetrics
 from tidal_agent.model import global_parameter_names
-from tidal_agent.presence import Presence, PresenceServer
+from tidal_agent.host import CLOSED_KEY
+from tidal_agent.presence import Presence
 from tidal_agent.report import AgentReport
 from tidal_agent.runner import profile_accuracy
 from tidal_agent.trainer import params_sha256
@@ -139,7 +141,7 @@ def run_agent(
                 raise ControlError(f"cannot serve metrics on port {metrics_port}: {err}") from err
         return _run(identity, link, threads=threads, steps=steps, plan_device=plan_device,
                     timeout_s=timeout_s, lost_after_s=lost_after_s, transport=transport,
-                    report_path=report_path, metrics=metrics.job,
+                    report_path=report_path, metrics=metrics,
                     profiled_table=profiled_table, slowdown=slowdown)
     finally:
         link.close()
@@ -148,7 +150,7 @@ def run_agent(
 
 def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int | None,
          plan_device: str | None, timeout_s: float, lost_after_s: float, transport: str,
-         report_path: str | Path | None, metrics: JobMetrics | None,
+         report_path: str | Path | None, metrics: AgentMetrics,
          profiled_table: bool = True,
          slowdown: tuple[int, int, float] | None = None) -> dict[str, Any]:
     job = link.job()
@@ -165,14 +167,11 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     # First, before anything here starts CUDA (reading the GPU's name for the planner does).
     where = prepare_worker(transport, None, threads=threads,
                            strict=spec.parallelism.consistency == "strict")
-    # The job's long-lived store, on the leader: it must outlive every other pod's use of it.
-    host = dist.TCPStore(
-        identity.rendezvous_host, identity.rendezvous_port, is_master=True,
-        wait_for_workers=False, timeout=timedelta(seconds=timeout_s), use_libuv=True,
-    ) if leading else None
+    # The job's long-lived store: in its rendezvous pod (tidal_agent.host), apart from every
+    # worker, so that it outlives any one of them.
     rendezvous = Rendezvous(host=identity.rendezvous_host, port=identity.rendezvous_port,
                             prefix=f"{identity.job}/", timeout_s=timeout_s, transport=transport)
-    report = AgentReport(link if leading else None, metrics=metrics, final_step=steps,
+    report = AgentReport(None, metrics=metrics.job, final_step=steps,
                          tokens_per_step=spec.training.global_batch_size * spec.model.seq_len)
     device = load_device(plan_device or default_plan_device(where.device.type))
     planner = LayoutPlanner(job, device)
@@ -184,8 +183,6 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
 
     stop = _stop_on_sigterm(identity.pod)
     store = rendezvous.connect()
-    # Beside the store, on the leader: each other pod's connection, whose end says it died.
-    presence_server = PresenceServer(rendezvous.connect()) if leading else None
     source = ControlledGenerations(
         me=identity.pod, leader=identity.leader, store=store, min_workers=spec.workers.min,
         steps=steps, choose=choose, target=link.target, report=report,
@@ -194,11 +191,29 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         lost_after_s=lost_after_s, stop=stop,
         presence=Presence(store, identity.rendezvous_host),
     )
-    if leading:
-        link.start()
-        threading.Thread(target=_publish_scale_table, args=(link, job, device),
-                         name="tidal-plan", daemon=True).start()
+
+    led = threading.Event()
+
+    def lead(refresh: bool) -> None:
+        """This pod leads (first, or in place of a lost leader): it follows the target and
+        publishes the job's progress, after the history the leaders before it kept."""
+        if refresh:  # the target now, not as it was when this pod started
+            try:
+                link.job(retry_for_s=5.0)
+            except ControlError as err:
+                log.warning("leading with the target last seen: %s", err)
+        if not led.is_set():  # (a pod counted lost, that lives on, may lead again)
+            led.set()
+            link.start()
+            threading.Thread(target=_publish_scale_table, args=(link, job, device),
+                             name="tidal-plan", daemon=True).start()
         report.on_profile = partial(_replan_from_profile, link, job, device)
+        report.metrics = metrics.lead()
+        report.lead(link, journal=rendezvous.connect())
+
+    source.on_lead = partial(lead, True)
+    if leading:
+        lead(False)
     scratch = tempfile.mkdtemp(prefix="tidal-profile-")  # this pod's profiles
     opts = WorkerOptions(
         rendezvous=rendezvous, steps=steps, threads=threads,
@@ -213,6 +228,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
         train(identity.pod, spec, opts, report, source, where)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    leading = source.leader == identity.pod  # (the first leader, or one that took the lead)
     if leading and report.halted is not None:
         _halt(identity, source, report, store, report_path, timeout_s)
     if report.digests is not None:  # a final member: the leader hashes all parameters
@@ -226,8 +242,6 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     result = _leader_report(identity.job, spec, source, report, store)
     _end(source, store, steps, result, report_path, timeout_s,
          finished=partial(link.publish, step=steps))
-    presence_server.close()
-    del host  # only now may the store go down
     return result
 
 
@@ -249,14 +263,15 @@ def _end(source: ControlledGenerations, store: dist.Store, step: int, result: Ma
          finished: Callable[[], None] = lambda: None) -> None:
     """The leader's part at the job's end, at its last step or halted: the report is
     written before ``finished`` says the job is done (whoever then sees it Succeeded finds
-    the report), standby pods leave, and the store stays up until every other registered pod
-    is done with it."""
+    the report), standby pods leave, and once every other registered pod is done with the
+    store, the rendezvous may close."""
     if report_path is not None:
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(result, indent=2) + "\n")
     finished()
     source.end(step)
     _wait_for_exits(store, len(set(source.registered()) - source.lost) - 1, timeout_s)
+    store.set(CLOSED_KEY, str(step))
 
 
 def _stop_on_sigterm(pod: str) -> threading.Event:
@@ -327,7 +342,7 @@ def _publish_scale_table(link: ControlLink, job: ElasticTrainingJob, device: Dev
 
 
 def _wait_for_exits(store: dist.Store, others: int, timeout_s: float) -> None:
-    """Keep the leader's store up until every other registered pod is done with it."""
+    """Wait until every other registered pod is done with the store."""
     deadline = time.monotonic() + timeout_s
     while store.add("exited", 0) < others and time.monotonic() < deadline:
         time.sleep(0.05)

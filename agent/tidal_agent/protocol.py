@@ -8,8 +8,8 @@ operator's targets, agreed on through the rendezvous store at run time
 
 At a step boundary the source answers with the next generation, or with ``Halt`` when the job
 stops there (its leader was asked to stop). On the fault path it answers with a ``Recovery``:
-where the survivors go on; ``LeaderLost`` says that the job cannot, because the rendezvous
-store went with its host.
+where the survivors go on; ``RendezvousLost`` says that the job cannot, because the rendezvous
+store is gone.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class Recovery:
     # neither checkpoint nor snapshot: start afresh from step 0
 
 
-class LeaderLost(RuntimeError):
-    """The rendezvous store is gone, so its host, the leader, is lost: the job cannot go on."""
+class RendezvousLost(RuntimeError):
+    """The rendezvous store is gone (its pod lost): the job cannot go on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ class GenerationSource(Protocol):
 
     @property
     def leader(self) -> str:
-        """The stable leader: rank 0 of every world; it reports steps and switches."""
+        """The leader now: rank 0 of its generation's worlds; it reports steps and switches."""
 
     def start(self, me: str) -> tuple[Generation, Generation | None] | None:
         """The generation ``me`` first trains in and the one before it (None for the first
@@ -106,8 +106,8 @@ class GenerationSource(Protocol):
 
     def rescue(self, me: str, trained: Generation,
                held: dict[str, Any] | None) -> tuple[Generation, Cut, Any] | None:
-        """The leader is lost (``recover`` raised ``LeaderLost``): the generation whose world
-        the other members of ``trained`` save the newest boundary their peer snapshots hold
+        """The rendezvous is lost (``recover`` raised ``RendezvousLost``): the generation whose
+        world the members of ``trained`` save the newest boundary their peer snapshots hold
         whole in (``held``: this one's ``PeerSnapshots.summary``), that cut, and a store to
         build the world on; None if they cannot."""
 

@@ -3,17 +3,20 @@
 ``AgentReport`` reads the worker's events (tidal_agent.events) and the generation source's
 word on what it planned and applied. On the leader it publishes the job's progress in
 ``status`` (through its ``ControlLink``) and in Prometheus metrics (tidal_agent.metrics), and
-keeps the run's report: per-step losses, generations, switches and recoveries.
+keeps the run's report: per-step losses, generations, switches and recoveries. The leader
+also keeps that history in the rendezvous store (its journal), where the pod that takes the
+lead from a lost leader finds it (``lead``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal_agent.events import (Finished, Halted, Left, Listener, Profiled, Ready, Reconfigured,
                                 Recovered, Replanned, Stepped, Straggler)
@@ -22,7 +25,13 @@ from tidal_agent.metrics import JobMetrics
 from tidal_api.layout import Layout
 from tidal_plan.elastic import Generation
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
 log = logging.getLogger("tidal.agent")
+
+# The report's lists a leader hands on to the next, as the journal keeps them.
+JOURNALED = ("generations", "reconfigurations", "recoveries", "stragglers", "replans", "profiled")
 
 
 class AgentReport(Listener):
@@ -40,6 +49,9 @@ class AgentReport(Listener):
         # Succeeded): not published with that step but by the leader's end, once its report
         # is written.
         self.final_step = final_step
+        # The leader's: the store its history goes to (``lead``), one record per key:
+        # ``journal/step/<step>`` (from ``journal/step/first``), ``journal/<list>/<n>``.
+        self.journal: dist.Store | None = None
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -59,11 +71,42 @@ class AgentReport(Listener):
         # prediction of its layout, or None; the scale table goes out from there too.
         self.on_profile: Callable[[Profiled], float | None] | None = None
 
+    def lead(self, link: ControlLink, journal: dist.Store | None = None) -> None:
+        """This pod leads from now on: its events go to ``link`` and to ``journal``, after
+        the history the leaders before it kept there."""
+        if journal is not None:
+            if journal.check(["journal/step/first"]):
+                step = int(journal.get("journal/step/first"))
+                while journal.check([f"journal/step/{step}"]):
+                    self.steps.append(json.loads(journal.get(f"journal/step/{step}")))
+                    step += 1
+            for name in JOURNALED:
+                count = journal.add(f"journal/{name}/count", 0)
+                setattr(self, name, [json.loads(journal.get(f"journal/{name}/{n}"))
+                                     for n in range(1, count + 1)])
+            for record in self.stragglers:  # who is flagged now, as the history says
+                if record["flagged"]:
+                    self._flagged[record["member"]] = Straggler(worker="", **record)
+                else:
+                    self._flagged.pop(record["member"], None)
+        self.link, self.journal = link, journal
+
+    def _keep(self, name: str, record: dict[str, Any]) -> None:
+        """Append ``record`` to the list ``name``, in the journal too."""
+        getattr(self, name).append(record)
+        if self.journal is not None:
+            n = self.journal.add(f"journal/{name}/count", 1)
+            self.journal.set(f"journal/{name}/{n}", json.dumps(record))
+
     def on_ready(self, event: Ready) -> None:
         self.setup = event.record()
 
     def on_stepped(self, event: Stepped) -> None:
-        self.steps.append(event.record())
+        record = event.record()
+        self.steps.append(record)
+        if self.journal is not None:
+            self.journal.compare_set("journal/step/first", "", str(event.step))
+            self.journal.set(f"journal/step/{event.step}", json.dumps(record))
         self._recent.append(event.seconds)
         log.info("step %5d  pp%d  loss %.4f  %7.1f ms", event.step, event.layout.pp, event.loss,
                  event.seconds * 1e3)
@@ -79,7 +122,7 @@ class AgentReport(Listener):
                               tokens_per_second=self.tokens_per_step / seconds)
 
     def on_reconfigured(self, event: Reconfigured) -> None:
-        self.reconfigurations.append(event.record())
+        self._keep("reconfigurations", event.record())
         if self.metrics is not None:
             self.metrics.switched(*event.workers, event.pause_s, event.bytes_moved)
         gen = Generation(index=event.generation, at_step=event.at_step, members=event.members)
@@ -87,7 +130,7 @@ class AgentReport(Listener):
         self._forget_stragglers(event.members)
 
     def on_straggler(self, event: Straggler) -> None:
-        self.stragglers.append(event.record())
+        self._keep("stragglers", event.record())
         if event.flagged:
             self._flagged[event.member] = event
         else:
@@ -116,7 +159,7 @@ class AgentReport(Listener):
             self._publish_stragglers()
 
     def on_replanned(self, event: Replanned) -> None:
-        self.replans.append(event.record())
+        self._keep("replans", event.record())
         if self.link is not None:
             speeds = ", ".join(f"{m} {s:.2f}" for m, s in event.speeds.items())
             self.link.event("Replanned", f"step {event.step}: re-partitioned "
@@ -129,8 +172,12 @@ class AgentReport(Listener):
         replayed, and their results replace the ones reported before the fault."""
         resumed = event.resumed_at
         replayed = sum(1 for s in self.steps if s["step"] >= resumed)
+        if self.journal is not None:  # a later leader reads on from the first, till a gap
+            for record in self.steps:
+                if record["step"] >= resumed:
+                    self.journal.delete_key(f"journal/step/{record['step']}")
         self.steps = [s for s in self.steps if s["step"] < resumed]
-        self.recoveries.append({**event.record(), "replayed_steps": replayed})
+        self._keep("recoveries", {**event.record(), "replayed_steps": replayed})
         if self.metrics is not None:
             self.metrics.recovered(len(event.lost), replayed)
         if self.link is not None:  # goes out with the survivors' generation, below
@@ -150,7 +197,7 @@ class AgentReport(Listener):
         predicted = self.on_profile(event)
         if predicted is None:
             return
-        self.profiled.append({"layout": event.layout.to_dict(), "steps": list(event.steps),
+        self._keep("profiled", {"layout": event.layout.to_dict(), "steps": list(event.steps),
                               "predicted_s": predicted})
         log.info("profiled steps %d-%d of %s: predicted %.1f ms/step", event.steps[0],
                  event.steps[1] - 1, event.layout.describe(), predicted * 1e3)
@@ -174,7 +221,7 @@ class AgentReport(Listener):
 
     def applied(self, gen: Generation, layout: Layout, switch_s: float | None = None) -> None:
         """Generation ``gen`` runs now (the leader's view)."""
-        self.generations.append({"generation": gen.index, "at_step": gen.at_step,
+        self._keep("generations", {"generation": gen.index, "at_step": gen.at_step,
                                  "members": list(gen.members), "layout": layout.to_dict(),
                                  "switch_s": switch_s})
         self._recent.clear()  # step times of another layout

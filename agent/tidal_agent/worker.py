@@ -29,12 +29,13 @@ whole and replay only the step in flight (tidal_agent.recovery); else they resum
 job's last complete checkpoint (from step 0 without one) and replay the steps since; bit for
 bit in strict mode.
 
-The leader hosts the rendezvous, so the job cannot go on without it. Asked to stop (SIGTERM),
-it halts the job at its next step boundary instead (``Halt``): every member saves a checkpoint
-of that boundary and exits, and the operator restarts the job, whose first generation starts
-from the newest complete checkpoint (``GenerationSource.resume_from``). A leader lost unasked
-takes the store with it (``LeaderLost``): the other members save what their peer snapshots
-hold instead (``rescue``), so the restart loses no more than the step in flight.
+A leader lost unasked is lost like any member: a survivor takes the lead on the fault path
+(tidal_agent.generations). Asked to stop (SIGTERM), the leader halts the job at its next step
+boundary instead (``Halt``): every member saves a checkpoint of that boundary and exits, and
+the operator restarts the job, whose first generation starts from the newest complete
+checkpoint (``GenerationSource.resume_from``). The rendezvous lost takes the store with it
+(``RendezvousLost``): the members save what their peer snapshots hold instead (``rescue``), so
+the restart loses no more than the step in flight.
 
 The module stays whole (past 400 lines): training, switching, halting and recovering are one
 state machine over one trainer, world and step, which every path hands on to the next; the
@@ -66,7 +67,8 @@ from tidal_agent.events import (Checkpointed, EventSink, Failed, Finished, Halte
                                 peak_rss_bytes)
 from tidal_agent.measure import Clock, MemoryPeaks, TensorMemory
 from tidal_agent.profiler import UnitProfiler, build_profile
-from tidal_agent.protocol import GenerationSource, Halt, LeaderLost, Recovery, StaticGenerations
+from tidal_agent.protocol import (GenerationSource, Halt, Recovery, RendezvousLost,
+                                  StaticGenerations)
 from tidal_agent.recovery import rebuild, save_cut
 from tidal_agent.snapshot import Cut, PeerSnapshots, state_index
 from tidal_agent.stragglers import StragglerWatch
@@ -180,7 +182,7 @@ class _Worker:
                 failed = time.perf_counter()
                 try:
                     recovery = self._recover(err)
-                except LeaderLost:
+                except RendezvousLost:
                     self._rescue()
                     raise
             if recovery is None:  # released while the others recovered
@@ -343,8 +345,8 @@ class _Worker:
         return self.source.recover(self.me, self._gen, self._step, err, held)
 
     def _rescue(self) -> None:
-        """The leader is lost, so the job is: save the newest boundary the peer snapshots hold
-        whole, with the other members, for the operator's restart to start from."""
+        """The rendezvous is lost, so the job is: save the newest boundary the peer snapshots
+        hold whole, with the other members, for the operator's restart to start from."""
         held = self.snapshots.summary() if self.snapshots is not None else None
         rescue = self.source.rescue(self.me, self._gen, held)
         if rescue is None:
@@ -354,7 +356,7 @@ class _Worker:
                             name="rescue", store=store)
         path = save_cut(cut, me=self.me, world=world, snapshots=self.snapshots,
                         model=self.spec.model, root=self.opts.checkpoint_root)
-        log.warning("%s: the leader is lost; the peer snapshots of step %d are saved in %s, "
+        log.warning("%s: the rendezvous is lost; the peer snapshots of step %d are saved in %s, "
                     "for the job's restart", self.me, cut.step, path)
 
     def _resume(self, recovery: Recovery, failed: float) -> tuple[Trainer, World, int]:

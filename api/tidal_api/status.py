@@ -2,7 +2,7 @@
 
 The operator owns ``target``, ``phase``, ``conditions``, ``restarts``, ``failures`` and its
 hysteresis (``lastScaleTime``, ``lastDecision``, ``observedGeneration``), and the decision state
-that must outlive the operator process (``arrivals``, ``leaderMissingSince``): a restarted
+that must outlive the operator process (``arrivals``, ``rendezvousMissingSince``): a restarted
 operator reads them back and decides as the one before it would have; the agent leader owns
 ``generation`` (applied), ``members``, ``lost``, ``layout``, ``step``, ``loss``,
 ``tokensPerSecond``, ``stepSeconds``, ``predictedStepSeconds``, ``lastSwitchSeconds`` and
@@ -125,9 +125,9 @@ class JobStatus(_Status):
         "arrivalWindowSeconds, oldest first, also those already gone: the arrival rate the "
         "scale-up rule estimates from them outlives the operator process."
     )
-    leader_missing_since: str | None = Field(
-        None, description="RFC 3339 time the operator first missed the leader's pod of a job "
-        "that ran: missing long enough, the job restarts."
+    rendezvous_missing_since: str | None = Field(
+        None, description="RFC 3339 time the operator first missed the rendezvous pod of a "
+        "job that ran: missing long enough, the job restarts."
     )
     # The agent leader's fields.
     generation: int = Field(0, ge=0, description="Generation the agent runs (applied).")

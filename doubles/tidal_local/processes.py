@@ -1,14 +1,16 @@
 """Pods as local processes: the container runtime of the one-machine cluster.
 
 :class:`AgentProcesses` is the :class:`~tidal_kube.kubelet.PodRuntime` that runs each
-worker pod (label ``tidal.dev/role=worker``) as a ``tidal agent`` process, with the pod's
-environment as the operator wrote it, and these changes, because every pod shares one host:
+worker pod (label ``tidal.dev/role=worker``) as a ``tidal agent`` process, and each job's
+rendezvous pod (``tidal.dev/role=rendezvous``) as its ``tidal rendezvous`` process, with the
+pod's environment as the operator wrote it, and these changes, because every pod shares one
+host:
 
 - ``TIDAL_RENDEZVOUS_HOST`` is ``127.0.0.1`` (there is no cluster DNS for the headless
   Service) and ``TIDAL_RENDEZVOUS_PORT`` a free port chosen once per job, so jobs do not
   collide on the port every pod spec names;
 - ``TIDAL_METRICS_PORT``, where the pod sets it, is a free port of the pod's own;
-- the agent gets ``--kubeconfig`` (a pod would use its service account), ``--threads 1``
+- a worker's agent gets ``--kubeconfig`` (a pod would use its service account), ``--threads 1``
   (the machine's cores are shared), ``--publish-interval`` and ``--report`` (the leader's JSON
   report, under ``reports/<namespace>/<pod>.json``); its output goes to
   ``logs/<namespace>/<pod>.log``.
@@ -203,7 +205,8 @@ class _Running:
 
 
 class AgentProcesses:
-    """Runs worker pods as ``tidal agent`` processes (see the module's docstring)."""
+    """Runs worker pods as ``tidal agent`` processes, rendezvous pods as ``tidal rendezvous``
+    (see the module's docstring)."""
 
     def __init__(self, *, kubeconfig: Path, workdir: Path, run_id: str,
                  publish_interval_s: float = 1.0, tidal: Path | None = None) -> None:
@@ -226,7 +229,7 @@ class AgentProcesses:
     # ---- PodRuntime ----------------------------------------------------------------------
 
     def takes(self, pod: Obj) -> bool:
-        return (pod["metadata"].get("labels") or {}).get(keys.ROLE_LABEL) == "worker"
+        return _role(pod) in ("worker", "rendezvous")
 
     def start(self, pod: Obj) -> None:
         meta = pod["metadata"]
@@ -320,6 +323,8 @@ class AgentProcesses:
         container = pod["spec"]["containers"][0]
         command = [*(container.get("command") or ["tidal", "agent"]),
                    *(container.get("args") or [])]
+        if _role(pod) == "rendezvous":
+            return command
         meta = pod["metadata"]
         # No profile, the modeling-based table: these "GPUs" are processes on a few cores,
         # which the job's own profile would see (more workers, no faster). gloo: they are
@@ -350,6 +355,10 @@ class AgentProcesses:
         if keys.ENV_METRICS_PORT in env:  # every pod names the same port; here they share a host
             env[keys.ENV_METRICS_PORT] = str(free_port(taken=set(self._ports.values())))
         return env
+
+
+def _role(pod: Obj) -> str | None:
+    return (pod["metadata"].get("labels") or {}).get(keys.ROLE_LABEL)
 
 
 def _field(pod: Obj, path: str) -> str:

@@ -1,9 +1,12 @@
-"""The Kubernetes objects the operator creates for a job: worker pods and a headless Service.
+"""The Kubernetes objects the operator creates for a job: worker pods, its rendezvous pod and
+a headless Service.
 
 Pure functions from (job, worker index, generation) to manifests, so that the names are
 deterministic: a restarted operator that re-creates a pod it already made gets a conflict,
-never a duplicate. Worker ``<job>-worker-0`` is the stable leader; it serves the rendezvous
-store on ``<job>-worker-0.<job>.<namespace>.svc`` through the headless Service.
+never a duplicate. The job's rendezvous (its store and presence server, ``tidal rendezvous``)
+runs in a pod of its own, ``<job>-rendezvous``, apart from every worker so that it outlives any
+one of them; the workers reach it on ``<job>-rendezvous.<job>.<namespace>.svc`` through the
+headless Service.
 """
 
 from __future__ import annotations
@@ -37,12 +40,16 @@ def owner_reference(job: ElasticTrainingJob, uid: str) -> dict[str, Any]:
     }
 
 
-def job_labels(name: str) -> dict[str, str]:
-    return {keys.JOB_LABEL: name, keys.ROLE_LABEL: "worker", keys.MANAGED_BY: "tidal"}
+def job_labels(name: str, role: str = "worker") -> dict[str, str]:
+    return {keys.JOB_LABEL: name, keys.ROLE_LABEL: role, keys.MANAGED_BY: "tidal"}
+
+
+def rendezvous_name(job: str) -> str:
+    return f"{job}-rendezvous"
 
 
 def rendezvous_host(name: str, namespace: str) -> str:
-    return f"{worker_name(name, 0)}.{name}.{namespace}.svc"
+    return f"{rendezvous_name(name)}.{name}.{namespace}.svc"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,8 +89,7 @@ def worker_pod(
         "imagePullPolicy": template.image_pull_policy,
         "command": ["tidal", "agent"],
         "env": env,
-        "ports": [{"name": "rendezvous", "containerPort": keys.RENDEZVOUS_PORT},
-                  {"name": "metrics", "containerPort": keys.METRICS_PORT}],
+        "ports": [{"name": "metrics", "containerPort": keys.METRICS_PORT}],
         "resources": resources,
         # A failed agent's last log lines stay in its status: the Event of the restart that
         # deletes the pod quotes them.
@@ -114,22 +120,60 @@ def worker_pod(
         keys.GENERATION_LABEL: str(generation),
         keys.ELASTIC_LABEL: "true",
     }
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": pod_name,
-            "namespace": namespace,
-            "labels": labels,
-            "annotations": dict(template.annotations),
-            "ownerReferences": [owner_reference(job, uid)],
-        },
-        "spec": pod_spec,
+    return _pod(job, uid, pod_name, labels, pod_spec, annotations=dict(template.annotations))
+
+
+def rendezvous_pod(job: ElasticTrainingJob, *, uid: str) -> dict[str, Any]:
+    """The job's rendezvous: ``tidal rendezvous`` in the agent's image, on a CPU (it asks for
+    no GPU), where the template lets the workers run."""
+    name, namespace = job.metadata.name, job.metadata.namespace or "default"
+    template = job.spec.template
+    pod_name = rendezvous_name(name)
+    container: dict[str, Any] = {
+        "name": "rendezvous",
+        "image": template.image,
+        "imagePullPolicy": template.image_pull_policy,
+        "command": ["tidal", "rendezvous"],
+        "env": [
+            {"name": keys.ENV_JOB, "value": name},
+            {"name": keys.ENV_NAMESPACE, "value": namespace},
+            {"name": keys.ENV_POD, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": keys.ENV_RENDEZVOUS_PORT, "value": str(keys.RENDEZVOUS_PORT)},
+        ],
+        "ports": [{"name": "rendezvous", "containerPort": keys.RENDEZVOUS_PORT}],
+        "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # lost, the job restarts (with a new one)
+        "serviceAccountName": WORKER_SERVICE_ACCOUNT,
+        "automountServiceAccountToken": False,  # it never talks to the API server
+        "hostname": pod_name,
+        "subdomain": name,  # with the headless Service: <pod>.<job>.<ns>.svc
+        "terminationGracePeriodSeconds": 5,
+        "containers": [container],
+    }
+    if template.node_selector:
+        pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.tolerations:
+        pod_spec["tolerations"] = list(template.tolerations)
+    return _pod(job, uid, pod_name, {**template.labels, **job_labels(name, "rendezvous")},
+                pod_spec)
+
+
+def _pod(job: ElasticTrainingJob, uid: str, name: str, labels: dict[str, str],
+         spec: dict[str, Any], annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod of the job's, owned by it."""
+    meta: dict[str, Any] = {"name": name, "namespace": job.metadata.namespace or "default",
+                            "labels": labels}
+    if annotations is not None:
+        meta["annotations"] = annotations
+    meta["ownerReferences"] = [owner_reference(job, uid)]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
 def headless_service(job: ElasticTrainingJob, *, uid: str) -> dict[str, Any]:
-    """DNS names for the workers; only the leader's rendezvous port is used."""
+    """DNS names for the job's pods; only the rendezvous pod's port is used."""
     name, namespace = job.metadata.name, job.metadata.namespace or "default"
     return {
         "apiVersion": "v1",
@@ -142,8 +186,9 @@ def headless_service(job: ElasticTrainingJob, *, uid: str) -> dict[str, Any]:
         },
         "spec": {
             "clusterIP": "None",
-            "publishNotReadyAddresses": True,  # joiners resolve the leader before they are ready
-            "selector": {keys.JOB_LABEL: name, keys.ROLE_LABEL: "worker"},
+            # every pod resolves the rendezvous before it is ready
+            "publishNotReadyAddresses": True,
+            "selector": {keys.JOB_LABEL: name},
             "ports": [{"name": "rendezvous", "port": keys.RENDEZVOUS_PORT}],
         },
     }

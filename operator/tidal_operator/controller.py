@@ -314,7 +314,8 @@ class Controller:
         deadline = None
         if up:
             taken = [builders.worker_index(n)
-                     for n in (*self._job_pods(view), *status.members, *status.lost)]
+                     for n in (*self._job_pods(view), *status.members, *status.lost)
+                     if n != builders.rendezvous_name(view.name)]
             first = max(taken, default=-1) + 1
             count = decision.to_workers - decision.from_workers
             join = tuple(builders.worker_name(view.name, first + i) for i in range(count))

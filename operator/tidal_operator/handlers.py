@@ -46,8 +46,9 @@ def gpu_nodes(name: str, status: kopf.Status, spec: kopf.Spec, meta: kopf.Meta,
 @kopf.index("pods")
 def cluster_pods(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, Any]:
     pod = pod_view(body, memo.config.gpu_resource)
-    if pod.gpus == 0:
-        return {}  # CPU-only pods neither hold GPUs nor wait for them
+    if pod.gpus == 0 and pod.job is None:
+        return {}  # other CPU-only pods neither hold GPUs nor wait for them (a job's
+        # rendezvous pod is one of its own: the job restarts without it)
     return {pod.key: pod}
 
 

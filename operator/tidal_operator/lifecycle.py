@@ -1,7 +1,8 @@
 """One job's life between the policy's decisions: its pods, its target, its restarts, its phase.
 
 Per job and round (``Lifecycle.reconcile``):
-  - no target yet: set generation 0's target (the first ``workers.min`` pods) and create them;
+  - no target yet: set generation 0's target (the first ``workers.min`` pods) and create them,
+    with the job's rendezvous pod;
   - a scale-up target outstanding: make sure each joiner's pod exists;
   - a scale-down target: delete released pods once they have exited, or anyway past the
     deadline (with a Warning Event);
@@ -9,16 +10,19 @@ Per job and round (``Lifecycle.reconcile``):
     are not its count): supersede it with the same change on the survivors;
   - pods the agent declared lost (``status.lost``) that still run are deleted; their names
     are never given again. Replacing them, up to ``workers.min``, is ``decide``'s;
-  - the leader's pod failed or gone, or every member failed: the job cannot go on (the leader
-    hosts the rendezvous), so it restarts: every pod is deleted, the target and the agent's
-    membership emptied, and once the pods are gone the first pods start again, from the
-    newest checkpoint (the agent's generation 0 loads it). A leader that stopped when asked,
-    or whose pod is gone, is no failure; after ``spec.maxRestarts`` failures the next one
-    fails the job;
+  - the rendezvous pod failed or gone, the leader stopped when asked (it halted the job at a
+    checkpoint), the first leader failed before the job's first generation, or every member
+    failed: the job cannot go on, so it restarts: every pod is deleted, the target and the
+    agent's membership emptied, and once the pods are gone the first pods start again, from
+    the newest checkpoint (the agent's generation 0 loads it). A leader lost while the job
+    runs is lost like any member: the agent goes on without it. A leader that stopped when
+    asked, or a rendezvous pod that is gone, is no failure; after ``spec.maxRestarts``
+    failures the next one fails the job;
   - phase, conditions and the job's metrics follow the status the agent publishes.
 
 Every write is idempotent and every timer lives in the status (the drain deadline in the
-target, the leader's absence in ``leaderMissingSince``), so a restarted operator carries on
+target, the rendezvous pod's absence in ``rendezvousMissingSince``), so a restarted operator
+carries on
 where the last one stopped. Status is written through the contract's types (``status_patch``).
 """
 
@@ -39,8 +43,8 @@ from tidal_operator.view import JobView, Written
 
 log = logging.getLogger(__name__)
 
-# A leader's pod missing from the index this long is gone, not a watch still filling it in.
-LEADER_GONE_S = 10.0
+# A rendezvous pod missing from the index this long is gone, not a watch still filling it in.
+RENDEZVOUS_GONE_S = 10.0
 
 
 def condition(kind: str, status: str, reason: str, message: str, now: float,
@@ -81,7 +85,7 @@ class Lifecycle:
                     await self.adapter.delete_pod(name, view.namespace)
             return
         target = status.target
-        if (lost := await self._leader_lost(view, pods, now)) is not None:
+        if (lost := await self._cannot_go_on(view, pods, now)) is not None:
             why, failure = lost
             if not failure or status.failures < job.spec.max_restarts:
                 await self._restart(view, why, failure, now)
@@ -129,50 +133,53 @@ class Lifecycle:
                             f"{view.job.spec.scaling.drain_timeout_seconds:.0f}s of the "
                             f"scale-down to {target.workers} workers; deleted it anyway")
 
-    async def _leader_lost(self, view: JobView, pods: Mapping[str, Pod],
-                           now: float) -> tuple[str, bool] | None:
+    async def _cannot_go_on(self, view: JobView, pods: Mapping[str, Pod],
+                            now: float) -> tuple[str, bool] | None:
         """Why the job cannot go on, if it cannot, and whether that is a failure: its
-        leader's pod failed (also before it published a generation: say, its agent refused
-        the spec), or every member's pod failed. Not failures: a leader that stopped when
-        asked (SIGTERM's exit status: it halted the job at a checkpoint), or whose pod has
-        been gone for ``LEADER_GONE_S`` once the job ran (deleted, preempted, drained); since
-        when is ``status.leaderMissingSince``, so that a restarted operator keeps counting."""
+        rendezvous pod failed, the first leader's pod failed before the job's first
+        generation (say, its agent refused the spec), or every member's pod failed. Not
+        failures: a leader that stopped when asked (SIGTERM's exit status: it halted the job
+        at a checkpoint), or a rendezvous pod gone for ``RENDEZVOUS_GONE_S`` once the job ran
+        (deleted, preempted, drained); since when is ``status.rendezvousMissingSince``, so
+        that a restarted operator keeps counting. A leader lost once the job runs is any
+        member lost: the agent goes on without it."""
         job, status = view.job, view.status
         done = status.phase in FINISHED_PHASES or status.step >= job.spec.training.steps
-        leader = builders.worker_name(view.name, 0)
-        pod = pods.get(leader)
+        rendezvous = builders.rendezvous_name(view.name)
+        host = pods.get(rendezvous)
         # gone once the job ran; before, not started or not indexed yet
-        missing = not done and pod is None and bool(status.members)
-        since = await self._leader_missing(view, missing, now)
+        missing = not done and host is None and bool(status.members)
+        since = await self._rendezvous_missing(view, missing, now)
         if done:
             return None
-        if missing:
-            gone = now - parse_time(since) >= LEADER_GONE_S
-            return (f"the leader {leader} is gone", False) if gone else None
-        if pod is None:
-            return None
-        if pod.phase == "Failed" and pod.exit_code == keys.STOPPED_EXIT_CODE:
+        leader = status.members[0] if status.members else builders.worker_name(view.name, 0)
+        pod = pods.get(leader)
+        if pod is not None and pod.phase == "Failed" and pod.exit_code == keys.STOPPED_EXIT_CODE:
             return f"the leader {leader} stopped when asked", False
-        if pod.phase == "Failed":
-            said = ", ".join(filter(None, (
-                f"exit code {pod.exit_code}" if pod.exit_code is not None else "",
-                pod.last_words)))  # what its logs ended with, if the kubelet kept it
-            return f"the leader {leader} failed" + (f" ({said})" if said else ""), True
+        if missing:
+            gone = now - parse_time(since) >= RENDEZVOUS_GONE_S
+            return (f"the rendezvous {rendezvous} is gone", False) if gone else None
+        if host is not None and host.phase == "Failed":
+            return f"the rendezvous {rendezvous} failed{_said(host)}", True
+        if pod is not None and pod.phase == "Failed" and not status.members:
+            return f"the leader {leader} failed{_said(pod)}", True
         members = [pods.get(m) for m in status.members]
         if members and all(p is not None and p.phase == "Failed" for p in members):
             return "every worker failed", True
         return None
 
-    async def _leader_missing(self, view: JobView, missing: bool, now: float) -> str | None:
-        """``status.leaderMissingSince``, as this operator last wrote it if the watch has not
-        delivered that yet: set when the leader's pod goes missing, cleared when it is back
-        (or the job no longer needs it)."""
-        since = self.written.leader_missing.get(view.key, view.status.leader_missing_since)
+    async def _rendezvous_missing(self, view: JobView, missing: bool,
+                                  now: float) -> str | None:
+        """``status.rendezvousMissingSince``, as this operator last wrote it if the watch has
+        not delivered that yet: set when the rendezvous pod goes missing, cleared when it is
+        back (or the job no longer needs it)."""
+        since = self.written.rendezvous_missing.get(view.key,
+                                                    view.status.rendezvous_missing_since)
         if missing != (since is not None):
             since = rfc3339(now) if missing else None
             await self.adapter.patch_status(view.name, view.namespace,
-                                            status_patch(leader_missing_since=since))
-            self.written.leader_missing[view.key] = since
+                                            status_patch(rendezvous_missing_since=since))
+            self.written.rendezvous_missing[view.key] = since
         return since
 
     async def _restart(self, view: JobView, why: str, failure: bool, now: float) -> None:
@@ -189,7 +196,7 @@ class Lifecycle:
         log.warning("%s: %s", view.key, line)
         await self.adapter.patch_status(view.name, view.namespace, status_patch(
             phase="Restarting", restarts=restarts, failures=failures, target=None, members=(),
-            lost=(), workers=0, last_decision=line, leader_missing_since=None,
+            lost=(), workers=0, last_decision=line, rendezvous_missing_since=None,
             conditions=set_condition(status.conditions, condition(
                 READY, "False", "Restarting", line, now, view.generation))))
         self.written.restarted(view, restarts)
@@ -243,6 +250,7 @@ class Lifecycle:
         await self.adapter.patch_status(view.name, view.namespace, status_patch(
             phase="Pending", target=target, observed_generation=view.generation))
         self.written.started[view.key] = view.uid
+        await self.adapter.create(builders.rendezvous_pod(job, uid=view.uid))
         for i in range(len(join)):
             await self.adapter.create(builders.worker_pod(job, uid=view.uid, index=i,
                                                           generation=0, settings=self.worker))
@@ -299,3 +307,10 @@ def _overtaken(status: JobStatus) -> bool:
     joiners = sum(p not in status.members for p in target.join)
     leavers = sum(p in status.members for p in target.release)
     return len(status.members) + joiners - leavers != target.workers
+
+
+def _said(pod: Pod) -> str:
+    """A failed pod's exit code and the last line of its logs, if the kubelet kept them."""
+    said = ", ".join(filter(None, (
+        f"exit code {pod.exit_code}" if pod.exit_code is not None else "", pod.last_words)))
+    return f" ({said})" if said else ""

@@ -52,7 +52,8 @@ class Written:
     targets: dict[str, int] = field(default_factory=dict)  # generation of the last target
     restarts: dict[str, tuple[str, int]] = field(default_factory=dict)  # (uid, status.restarts)
     started: dict[str, str] = field(default_factory=dict)  # uid given its first target
-    leader_missing: dict[str, str | None] = field(default_factory=dict)  # leaderMissingSince
+    # status.rendezvousMissingSince
+    rendezvous_missing: dict[str, str | None] = field(default_factory=dict)
     arrivals: dict[str, tuple[Arrival, ...]] = field(default_factory=dict)  # status.arrivals
     services: set[str] = field(default_factory=set)  # uids whose Service exists
 
@@ -62,13 +63,13 @@ class Written:
         return uid == view.uid and restarts > view.status.restarts
 
     def restarted(self, view: JobView, restarts: int) -> None:
-        """The job restarts: its targets, first pods and leader's timer start afresh."""
+        """The job restarts: its targets, first pods and rendezvous timer start afresh."""
         self.restarts[view.key] = (view.uid, restarts)
-        for kept in (self.targets, self.leader_missing, self.started):
+        for kept in (self.targets, self.rendezvous_missing, self.started):
             kept.pop(view.key, None)
 
     def forget(self, key: str) -> None:
         """A deleted job: one created again under its name starts afresh."""
-        for kept in (self.targets, self.restarts, self.leader_missing, self.started,
+        for kept in (self.targets, self.restarts, self.rendezvous_missing, self.started,
                      self.arrivals):
             kept.pop(key, None)

@@ -78,7 +78,7 @@ class Watcher:
                 job = _get(url, f"/apis/tidal.dev/v1alpha1/namespaces/default/"
                                 f"elastictrainingjobs/{self.job}")
                 pods = _get(url, f"/api/v1/namespaces/default/pods?labelSelector="
-                                 f"tidal.dev/job%3D{self.job}")["items"]
+                                 f"tidal.dev/job%3D{self.job},tidal.dev/role%3Dworker")["items"]
                 self.samples.append((job.get("status") or {}, {
                     p["metadata"]["name"]: (p.get("status") or {}).get("phase") for p in pods}))
             except OSError as err:  # not there yet, or the cluster has stopped

@@ -1,8 +1,8 @@
 """DESIGN.md section 3's fault path through the real operator: a worker that does not drain is
 deleted at the drain deadline, and the job goes on without a restart; a worker that dies
-unasked is replaced, and the job goes back to its minimum without a restart; a leader lost,
-terminated or killed, costs a restart, from the step boundary it halted at or the one the
-others' peer snapshots hold.
+unasked is replaced, and the job goes back to its minimum without a restart; so is a leader
+killed; a leader terminated, or the rendezvous pod lost, costs a restart, from the step
+boundary the leader halted at or the one the members' peer snapshots hold.
 
 The one-machine cluster of ``tidal local`` (the API emulator, scheduler and kubelet,
 ``tidal-operator``, one ``tidal agent`` process per worker pod); the tests only stop or kill a
@@ -186,46 +186,66 @@ def test_a_worker_that_dies_unasked_is_replaced_and_the_job_goes_on(tmp_path, si
 
 
 @pytest.mark.timeout(480)
-def test_a_job_whose_leader_is_lost_restarts_from_where_it_was(tmp_path):
-    """The leader hosts the rendezvous, so the job cannot go on without it. Terminated (its
-    pod deleted, preempted or its node drained), it halts the job at a step boundary that
-    every member saves; killed, the others save the boundary their peer snapshots hold. Each
-    time the operator restarts the job, and it trains on from there."""
+def test_a_lost_leader_costs_no_restart_and_a_lost_rendezvous_one(tmp_path):
+    """A leader terminated (its pod deleted, preempted or its node drained) halts the job at
+    a step boundary that every member saves, and the operator restarts it from there. The
+    rendezvous pod killed takes the store with it: the members save the boundary their peer
+    snapshots hold, and the operator restarts the job from there. A leader killed is lost
+    like any member: a survivor leads the job on from the peer snapshots, no restart, and the
+    operator replaces it."""
     root = tmp_path / "ckpt"
     doc = _tiny(STEPS, {"min": 2, "max": 2}, checkpoint={"path": str(root), "everySteps": 1000,
                                                          "snapshotEverySteps": 1})
-    w0, w1 = (f"tiny-worker-{i}" for i in range(2))
+    w0, w1, w2 = (f"tiny-worker-{i}" for i in range(3))
+    rendezvous = "tiny-rendezvous"
     with _running(doc, tmp_path, gpus=2) as (cluster, api, status):
-        _until(lambda: (s := status()).get("members") == [w0, w1] and s.get("step", 0) >= 20,
-               120, "the job at step 20", cluster)
+        _until(lambda: (s := status()).get("members") == [w0, w1] and s.get("step", 0) >= 15,
+               120, "the job at step 15", cluster)
         os.killpg(cluster.runtime.pids()[f"{NAMESPACE}/{w0}"], signal.SIGTERM)
         _until(lambda: status().get("restarts") == 1, 120, "the first restart", cluster)
-        # The first leader's report, written before it exited; the next one writes it at the end.
+        # The first leader's report, written before it exited; the last one writes it at the end.
         halted = json.loads(cluster.runtime.report_path(NAMESPACE, w0).read_text())
         at = halted["halted"]["step"]
         seen = _until(lambda: (s := status()).get("members") == [w0, w1]
-                      and s.get("step", 0) >= at + 20 and s, 120, "20 steps more", cluster)
-        os.killpg(cluster.runtime.pids()[f"{NAMESPACE}/{w0}"], signal.SIGKILL)
+                      and s.get("step", 0) >= at + 15 and s, 120, "15 steps more", cluster)
+        os.killpg(cluster.runtime.pids()[f"{NAMESPACE}/{rendezvous}"], signal.SIGKILL)
         _until(lambda: status().get("restarts") == 2, 120, "the second restart", cluster)
+        again = _until(lambda: (s := status()).get("members") == [w0, w1]
+                       and s.get("step", 0) >= seen["step"] + 10 and s, 120,
+                       "10 steps after the second restart", cluster)
+        os.killpg(cluster.runtime.pids()[f"{NAMESPACE}/{w0}"], signal.SIGKILL)
+        _until(lambda: status().get("members") == [w1, w2], 120,
+               "the survivor's generation and the replacement's", cluster)
         _until(lambda: status().get("phase") == "Succeeded", 240, "the job to finish", cluster)
+        final = status()
         restarts = sorted((e.message for e in api.list(Event, namespace=NAMESPACE)
                            if e.reason == "Restarted"), key=lambda m: "restart 2" in m)
-        report = json.loads(cluster.runtime.report_path(NAMESPACE, w0).read_text())
+        report = json.loads(cluster.runtime.report_path(NAMESPACE, w1).read_text())
         survivor = (cluster.workdir / "logs" / NAMESPACE / f"{w1}.log").read_text()
 
     # Terminated: the halt's boundary, saved by every member; nothing lost.
-    assert at >= 20 and [s["step"] for s in halted["steps"]] == list(range(at))
+    assert at >= 15 and [s["step"] for s in halted["steps"]] == list(range(at))
     assert halted["halted"]["checkpoint"] == str(root / f"step-{at:08d}")
     assert restarts[0] == (f"the leader {w0} stopped when asked at step {at}: restart 1, from "
                            "the newest checkpoint under spec.checkpoint.path")  # no failure
-    # Killed: the survivor saved the newest boundary the peer snapshots (one every step) held
-    # whole, at most the step in flight and the one before behind what the job had published.
+    # The rendezvous killed: the members saved the newest boundary the peer snapshots (one
+    # every step) held whole, at most the step in flight and the one before behind what the
+    # job had published.
     rescued = report["generations"][0]["at_step"]
     assert rescued >= seen["step"] - 2 and rescued > at
     assert report["resumed_from"] == str(root / f"step-{rescued:08d}")
     assert f"the peer snapshots of step {rescued} are saved" in survivor
-    assert restarts[1].startswith(f"the leader {w0} failed (exit code 137) at step ")
+    assert restarts[1].startswith(f"the rendezvous {rendezvous} failed (exit code 137) at step ")
     assert restarts[1].endswith(": restart 2, failure 1 of 3, from the newest checkpoint under "
                                 "spec.checkpoint.path")
+    # The leader killed: no restart; the survivor led on from the peer snapshots, with the
+    # history the first leader kept (the steps from the second restart on), and the
+    # replacement joined it.
+    assert len(restarts) == 2 and final["restarts"] == 2
+    (recovery,) = report["recoveries"]
+    assert recovery["lost"] == [w0] and recovery["snapshot"]
+    assert recovery["resumed_at"] >= again["step"] - 2
+    assert report["members"] == [w1, w2] and w0 in final["lost"]
+    assert f"{w1} takes the lead: the leader {w0} is lost" in survivor
     # The runs' steps, where each ran, and the final parameters are a static run's, bit for bit.
     _bitwise_static(report, doc, 2, halted)

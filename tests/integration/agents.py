@@ -84,7 +84,9 @@ def until(check, timeout_s: float, what: str, every_s: float = 0.05):
 
 class Pods:
     """Agent processes with a worker pod's environment, as the operator would start them:
-    ``<job>-worker-<index>``, the leader (index 0) writing the report. ``timeout_s`` is the
+    ``<job>-worker-<index>``, and the job's rendezvous (``tidal rendezvous``, the operator's
+    ``<job>-rendezvous`` pod), started first. Whichever pod leads at the end writes the report:
+    worker-0 to ``report``, the others beside it (``report_of``). ``timeout_s`` is the
     agents' ``--timeout``; ``args`` go to every agent."""
 
     def __init__(self, url: str, logs: Path, *, job: str = "tiny", report: Path | None = None,
@@ -93,22 +95,38 @@ class Pods:
         self.timeout_s, self.args = timeout_s, args
         self.port = free_port()
         self.procs: dict[str, Forked] = {}
+        self.rendezvous = f"{job}-rendezvous"
+        self.procs[self.rendezvous] = fork(
+            "tidal_agent.cli", ["rendezvous", "--timeout", str(timeout_s)],
+            env=self._env(self.rendezvous), log_path=self._fresh_log(self.rendezvous), cwd=ROOT)
 
     def name(self, index: int) -> str:
         return f"{self.job}-worker-{index}"
 
+    def report_of(self, pod: str) -> Path | None:
+        """Where ``pod`` writes the report if it leads at the end."""
+        if self.report is None or pod == self.name(0):
+            return self.report
+        return self.report.with_name(f"{pod}.json")
+
+    def _env(self, pod: str) -> dict[str, str]:
+        return checkout_env({**os.environ, keys.ENV_JOB: self.job, keys.ENV_NAMESPACE: NAMESPACE,
+                             keys.ENV_POD: pod, keys.ENV_RENDEZVOUS_HOST: "127.0.0.1",
+                             keys.ENV_RENDEZVOUS_PORT: str(self.port), "OMP_NUM_THREADS": "1"})
+
+    def _fresh_log(self, pod: str) -> Path:
+        self.log_path(pod).unlink(missing_ok=True)
+        return self.log_path(pod)
+
     def start(self, index: int, *extra: str) -> str:
         pod = self.name(index)
-        env = checkout_env({**os.environ, keys.ENV_JOB: self.job, keys.ENV_NAMESPACE: NAMESPACE,
-                            keys.ENV_POD: pod, keys.ENV_RENDEZVOUS_HOST: "127.0.0.1",
-                            keys.ENV_RENDEZVOUS_PORT: str(self.port), "OMP_NUM_THREADS": "1"})
+        env = self._env(pod)
         args = ["agent", "--kubeconfig", self.url, "--publish-interval", "0.2",
                 "--timeout", str(self.timeout_s), *self.args]
-        if index == 0 and self.report:
-            args += ["--report", str(self.report)]
+        if self.report:
+            args += ["--report", str(self.report_of(pod))]
         args += extra
-        self.log_path(pod).unlink(missing_ok=True)
-        self.procs[pod] = fork("tidal_agent.cli", args, env=env, log_path=self.log_path(pod),
+        self.procs[pod] = fork("tidal_agent.cli", args, env=env, log_path=self._fresh_log(pod),
                                cwd=ROOT)
         return pod
 

@@ -1,5 +1,5 @@
 """The fault soak (issue 28): workers lost to SIGKILL again and again in one long run of a small
-job, which ends with the bits of a run that lost none.
+job, the leader among them, which ends with the bits of a run that lost none.
 
 :class:`FaultSoak` runs the job as ``tidal agent`` processes against the API emulator
 (tests/integration/agents.py) and plays the operator. Each fault is a SIGKILL of one worker at a
@@ -8,15 +8,16 @@ and rebuild the newest step boundary their peer snapshots hold whole, replaying 
 (``checkpoint.peerSnapshots``; no checkpoint path, so a boundary not whole would restart from
 step 0, which the replay count shows). The soak then writes a grow target naming a spare pod,
 started ahead and waiting in standby (registered, no target naming it), so that a replacement
-costs no process start-up, and the job is back to its ``workers``. Only workers other than the
-leader are faulted: the leader hosts the rendezvous store, and a lost leader is the job's
-restart path (tests/e2e), not this one.
+costs no process start-up, and the job is back to its ``workers``. The rendezvous runs in a
+process of its own (``tidal rendezvous``, the operator's ``<job>-rendezvous`` pod), so the
+leader is faulted like any member: a survivor takes the lead, and the report of the run is the
+last leader's, with the history every leader kept in the store.
 
 Faults are paced by the leader's steps (fault ``i`` not before step ``WARMUP + i *
 steps_per_fault``), so that the job's length, fixed when it starts, covers them all; a job that
-runs ahead of its faults fails the soak, asking for more steps per fault. The leader's log, read
-as it grows, says when a step ended and when a generation was announced: the moments switch and
-snapshot faults aim at. The fault-free run to compare with trains meanwhile, in a thread (a
+runs ahead of its faults fails the soak, asking for more steps per fault. The leader's log (the
+newest leader's), read as it grows, says when a step ended and when a generation was announced:
+the moments switch and snapshot faults aim at. The fault-free run to compare with trains meanwhile, in a thread (a
 fault's wait leaves the cores idle).
 
 A SIGKILLed pod's connection to the rendezvous ends at once (tidal_agent.presence): the
@@ -63,6 +64,7 @@ class FaultKind(enum.StrEnum):
     STEP = "step"  # at a uniformly random moment while the whole job trains
     SWITCH = "switch"  # while a grow target is applied (SwitchMoment says when)
     SNAPSHOT = "snapshot"  # as a step ends: its boundary's snapshot exchange in flight
+    LEADER = "leader"  # the leader, at a uniformly random moment while the job trains
 
 
 class SwitchMoment(enum.StrEnum):
@@ -75,7 +77,7 @@ class SwitchMoment(enum.StrEnum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SoakConfig:
-    """One soak: ``faults`` faults on a job of ``workers`` pods (the leader and the faulted)."""
+    """One soak: ``faults`` faults on a job of ``workers`` pods."""
 
     faults: int = 1000
     seed: int = 0
@@ -342,7 +344,7 @@ class FaultSoak:
             self.observer.stop()
             self.pods.stop()
             self.leader_log.close()
-        report = json.loads(self.pods.report.read_text())
+        report = json.loads(self.pods.report_of(self.members[0]).read_text())
         self._match(report["recoveries"])
         static = self.static.result(600)
         return SoakRun(config=config, doc=self.doc, report=report, static=static,
@@ -403,10 +405,11 @@ class FaultSoak:
 
     def _finish(self) -> None:
         """Every pod not killed exits 0: the leader once the report is written, the members at
-        the last step, the spares from standby."""
+        the last step, the spares from standby, and then the rendezvous."""
         steps_left = self.config.steps - max(self.leader_log.step, 0)
-        leader = self.pods.name(0)
-        for pod in [leader, *(p for p in self.pods.procs if p != leader)]:
+        leader = self.members[0]
+        last = self.pods.rendezvous
+        for pod in [leader, *(p for p in self.pods.procs if p not in (leader, last)), last]:
             if pod not in self.killed and self.pods.wait(pod, 120 + steps_left) != 0:
                 raise SoakError(f"{pod} failed: see {self.pods.log_path(pod)}")
 
@@ -485,13 +488,14 @@ class FaultSoak:
             fault = self._in_switch()
         else:
             self._whole()
-            fault = Fault(kind=kind, victim=self.rng.choice(self.members[1:]))
+            fault = Fault(kind=kind, victim=self.members[0] if kind is FaultKind.LEADER
+                          else self.rng.choice(self.members[1:]))
             delay = self.rng.uniform(0.0, self.config.step_window)  # in steps
             self._reach(WARMUP + index * self.config.steps_per_fault)
-            if kind is FaultKind.STEP:
-                time.sleep(delay * (self.observer.latest.get("stepSeconds") or 0.1))
-            else:
+            if kind is FaultKind.SNAPSHOT:
                 log.next_step(60)
+            else:
+                time.sleep(delay * (self.observer.latest.get("stepSeconds") or 0.1))
         self.pods.kill(fault.victim)
         killed = time.monotonic()
         self.killed.add(fault.victim)
@@ -505,11 +509,19 @@ class FaultSoak:
                             and fault.victim not in s.get("members", ()),
                             2 * self.config.timeout_s + 90, f"the survivors of {fault.victim}")
         fault.recovered_s = time.monotonic() - killed
+        self._follow(self.observer.latest["members"][0])
         self.progress(f"fault {index + 1}/{self.config.faults}: {kind.value}"
                       f"{f' ({fault.moment.value})' if fault.moment else ''}, killed "
                       f"{fault.victim}{' (joining)' if fault.joiner else ''} after step "
                       f"{fault.after_step}; survivors training {fault.recovered_s:.1f} s later")
         return fault
+
+    def _follow(self, leader: str) -> None:
+        """Read ``leader``'s log from now on, if another pod led before."""
+        if self.leader_log.path != self.pods.log_path(leader):
+            self.leader_log.close()
+            self.leader_log = _LeaderLog(self.pods.log_path(leader))
+            self.leader_log.poll()
 
     def _in_switch(self) -> Fault:
         """A switch fault's victim (the joiner or an old member) and moment, waited for."""
@@ -541,7 +553,8 @@ class FaultSoak:
                             "raise steps_per_fault")
 
     def _match(self, recoveries: list[dict[str, Any]]) -> None:
-        """Each fault's recovery from the leader's report: one per fault, losing its victim."""
+        """Each fault's recovery from the last leader's report (with the history the leaders
+        before it kept): one per fault, losing its victim."""
         lost = [r["lost"] for r in recoveries]
         if lost != [[f.victim] for f in self.faults]:
             raise SoakError(f"the leader's recoveries lost {lost}, the soak killed "

@@ -565,9 +565,10 @@ def test_rbac_grants_exactly_what_the_operator_and_the_agent_use(installed, tmp_
                                   "switchOverheadSeconds": 1, "drainTimeoutSeconds": 2}
         admin.create(ETJ(job))
 
+        workers = {keys.JOB_LABEL: "tiny", keys.ROLE_LABEL: "worker"}  # not its rendezvous
+
         def pods() -> list[str]:
-            return sorted(p.metadata.name for p in admin.list(
-                Pod, namespace=ns, labels={keys.JOB_LABEL: "tiny"}))
+            return sorted(p.metadata.name for p in admin.list(Pod, namespace=ns, labels=workers))
 
         def status() -> dict:
             return admin.get(ETJ, "tiny", namespace=ns).get("status") or {}
@@ -582,7 +583,7 @@ def test_rbac_grants_exactly_what_the_operator_and_the_agent_use(installed, tmp_
                  lambda: (status().get("target") or {}).get("generation") == 1, seen=status)
         wait_for("four running workers", lambda: sum(
             p.status.phase == "Running" for p in admin.list(
-                Pod, namespace=ns, labels={keys.JOB_LABEL: "tiny"})) == 4, seen=pods)
+                Pod, namespace=ns, labels=workers)) == 4, seen=pods)
         admin.patch(ETJ.Status, "tiny", {"status": {"generation": 1, "members": pods()}},
                     namespace=ns, patch_type=PatchType.MERGE)
         admin.create(Pod.from_dict({

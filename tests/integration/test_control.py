@@ -33,7 +33,7 @@ from tidal_agent.events import Stepped, Straggler
 from tidal_agent.generations import ControlledGenerations, LeaderRecovering
 from tidal_agent.link import ControlError, ControlLink
 from tidal_agent.metrics import JobMetrics
-from tidal_agent.protocol import Halt, LeaderLost
+from tidal_agent.protocol import Halt, RendezvousLost
 from tidal_agent.report import AgentReport
 from tidal_api import Target, keys
 from tidal_plan.elastic import Generation
@@ -348,10 +348,10 @@ def test_a_leader_asked_to_stop_halts_the_job_and_the_next_start_resumes(tmp_pat
     assert fresh[leader].resume_from == fresh["j-worker-1"].resume_from == expected
 
 
-def test_without_the_leader_the_others_agree_through_files_on_what_to_save(tmp_path):
-    """The leader's store gone, recover says so; the others agree through a FileStore under
-    the checkpoint root on the newest boundary their peer snapshots hold whole, or on nothing
-    if one of them does not report. (Saving it is the worker's: tests/e2e, a lost leader.)"""
+def test_without_the_rendezvous_the_members_agree_through_files_on_what_to_save(tmp_path):
+    """The rendezvous store gone, recover says so; the members agree through a FileStore
+    under the checkpoint root on the newest boundary their peer snapshots hold whole, or on
+    nothing if one of them does not report. (Saving it is the worker's: tests/e2e.)"""
     leader, w1, w2 = "j-worker-0", "j-worker-1", "j-worker-2"
     trained = Generation(index=3, at_step=0, members=(leader, w1, w2))
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -367,9 +367,10 @@ def test_without_the_leader_the_others_agree_through_files_on_what_to_save(tmp_p
         return src
 
     sources = {me: source(me, store=dist.PrefixStore("j/", dist.TCPStore(
-        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)))) for me in (w1, w2)}
-    del host  # the leader's process ends, and its store with it
-    with pytest.raises(LeaderLost, match="the rendezvous store on j-worker-0 is gone"):
+        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))))
+        for me in trained.members}
+    del host  # the rendezvous's process ends, and its store with it
+    with pytest.raises(RendezvousLost, match="the job's rendezvous store is gone"):
         sources[w1].recover(w1, trained, 8, RuntimeError("Connection closed by peer"), {})
 
     def copy(step, of=None):
@@ -378,23 +379,57 @@ def test_without_the_leader_the_others_agree_through_files_on_what_to_save(tmp_p
         return {**data, "of": of} if of else data
 
     held = {  # a ring: each keeps its own copies and its predecessor's
+        leader: {"own": [copy(7), copy(8)], "ward": [copy(7, w2), copy(8, w2)]},
         w1: {"own": [copy(7), copy(8)], "ward": [copy(7, leader), copy(8, leader)]},
         w2: {"own": [copy(7)], "ward": [copy(7, w1)]},  # a boundary behind: it failed first
     }
     got = {}
     threads = [threading.Thread(target=lambda me=me: got.setdefault(
-        me, sources[me].rescue(me, trained, held[me]))) for me in (w1, w2)]
+        me, sources[me].rescue(me, trained, held[me]))) for me in trained.members]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(30)
-    (gen, cut, _), (gen2, cut2, _) = got[w1], got[w2]
-    assert gen == gen2 and cut == cut2
-    assert (gen.members, gen.at_step, cut.step, dict(cut.senders)) == ((w1, w2), 7, 7, {leader: w1})
-    # A survivor that never reports (its node went with the leader's): no rescue.
+    gen, cut, _ = got[w1]
+    assert all((g, c) == (gen, cut) for g, c, _ in got.values())
+    assert (gen.members, gen.at_step, cut.step) == (trained.members, 7, 7)
+    # A member that never reports (its node went with the rendezvous's): no rescue.
     alone = source(w1, run="r2", wait_s=0.3)
     assert alone.rescue(w1, trained, held[w1]) is None
     assert source(w1, run="").rescue(w1, trained, held[w1]) is None  # no run: no agreement
+
+
+def _connect(host: dist.TCPStore) -> dist.Store:
+    return dist.PrefixStore("j/", dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                                                timeout=timedelta(seconds=30)))
+
+
+def _fault_sources(host: dist.TCPStore, pods: tuple[str, ...], box: dict, root,
+                   **kw) -> dict[str, ControlledGenerations]:
+    """One source per pod over ``host``'s store, with heartbeats, as the fault tests use them."""
+    return {me: ControlledGenerations(
+        me=me, leader=pods[0], store=_connect(host), steps=100,
+        choose=lambda n: (_layout(n), None), target=lambda: box["target"], poll_s=0.01,
+        checkpoint_root=str(root), heartbeat=_connect(host), beat_s=0.05, lost_after_s=0.5,
+        fault_wait_s=20, **kw) for me in pods}
+
+
+def _in_threads(calls: dict) -> dict:
+    """Run each pod's call in a thread of its own; what each returned or raised."""
+    out: dict = {}
+
+    def run(me, call):
+        try:
+            out[me] = call()
+        except Exception as err:  # noqa: BLE001 - the outcome under test
+            out[me] = err
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive()
+    return out
 
 
 def test_recovery_decisions_through_the_store(tmp_path):
@@ -410,32 +445,8 @@ def test_recovery_decisions_through_the_store(tmp_path):
     # Generation 0 in this order whichever thread registers first, as the operator names it.
     box: dict = {"target": Target(workers=3, generation=0, join=pods)}
 
-    def connect():
-        return dist.PrefixStore("j/", dist.TCPStore("127.0.0.1", host.port, is_master=False,
-                                                    timeout=timedelta(seconds=30)))
-
-    sources = {me: ControlledGenerations(
-        me=me, leader=pods[0], store=connect(), min_workers=3, steps=100,
-        choose=lambda n: (_layout(n), None), target=lambda: box["target"], poll_s=0.01,
-        checkpoint_root=str(tmp_path), heartbeat=connect(), beat_s=0.05, lost_after_s=0.5,
-        fault_wait_s=20) for me in pods}
-
-    def in_threads(calls):
-        """Run each pod's call in a thread of its own; what each returned or raised."""
-        out: dict = {}
-
-        def run(me, call):
-            try:
-                out[me] = call()
-            except Exception as err:  # noqa: BLE001 - the outcome under test
-                out[me] = err
-        threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-            assert not thread.is_alive()
-        return out
+    sources = _fault_sources(host, pods, box, tmp_path, min_workers=3)
+    in_threads = _in_threads
 
     started = in_threads({me: partial(sources[me].start, me) for me in pods})
     gen = started[pods[0]][0]
@@ -486,8 +497,9 @@ def test_recovery_decisions_through_the_store(tmp_path):
     leader, alone = sources[pods[0]], recovery.generation
     box["target"] = Target(workers=2, generation=2, join=("j-worker-3",))
     joiner = ControlledGenerations(
-        me="j-worker-3", leader=pods[0], store=connect(), min_workers=3, steps=100,
-        choose=lambda n: (_layout(n), None), target=lambda: box["target"], poll_s=0.01)
+        me="j-worker-3", leader=pods[0], store=_connect(host), min_workers=3,
+        steps=100, choose=lambda n: (_layout(n), None), target=lambda: box["target"],
+        poll_s=0.01)
 
     def lead():
         step = 8
@@ -510,6 +522,48 @@ def test_recovery_decisions_through_the_store(tmp_path):
     recovery = leader.recover(pods[0], grown, step + 2, boom)
     assert recovery.lost == recovery.left == ("j-worker-3",)
     assert recovery.generation.members == (pods[0],) and recovery.world == "recovery4"
+    for source in sources.values():
+        source.stop_beating()
+    time.sleep(0.1)  # the beats stop before the store does
+
+
+def test_a_lost_leader_is_lost_like_any_member_and_a_survivor_leads(tmp_path):
+    """The leader dies (its heartbeat falls silent here; a killed one's connection ends):
+    members waiting at a step boundary for its word take the fault path, the first survivor
+    to see it lost takes the lead from the state the leader kept in the store, and the
+    survivors go on in a generation it leads, from the newest checkpoint."""
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "step-00000004" / "tidal.json").write_text("{}")
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30), use_libuv=True)
+    pods = ("j-worker-0", "j-worker-1", "j-worker-2")
+    box: dict = {"target": Target(workers=3, generation=0, join=pods)}
+    led: list = []
+    sources = _fault_sources(host, pods, box, tmp_path, min_workers=2, leader_wait_s=0.1)
+    for me, source in sources.items():
+        source.on_lead = partial(led.append, me)
+    _in_threads({me: partial(sources[me].start, me) for me in pods})
+    gen = sources[pods[0]].current
+    assert gen.members == pods
+    sources[pods[0]].stop_beating()  # the leader is gone: no word at the boundary of step 6
+
+    def survive(me):
+        started = time.monotonic()
+        with pytest.raises(LeaderRecovering, match="the leader j-worker-0 is lost"):
+            sources[me].following(gen, 6)
+        assert time.monotonic() - started >= 0.5  # lost_after_s: not before its silence
+        return sources[me].recover(me, gen, 6, RuntimeError("the leader's step failed"))
+
+    out = _in_threads({me: partial(survive, me) for me in pods[1:]})
+    assert len(led) == 1, led  # one survivor took the lead
+    (new,) = led
+    recovery = out[pods[1]]
+    assert out[pods[2]] == recovery
+    assert recovery.generation == Generation(
+        index=0, at_step=4, members=(new, *(p for p in pods[1:] if p != new)))
+    assert recovery.lost == (pods[0],) and recovery.checkpoint == str(tmp_path / "step-00000004")
+    assert all(sources[me].leader == new for me in pods[1:])
+    assert sources[new].lost == {pods[0]} and sources[new].applied == 0
     for source in sources.values():
         source.stop_beating()
     time.sleep(0.1)  # the beats stop before the store does

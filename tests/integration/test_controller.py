@@ -31,7 +31,7 @@ from tidal_kube.serving import load_manifests
 from tidal_operator import handlers
 from tidal_operator.adapter import Adapter
 from tidal_operator.controller import Config, Controller
-from tidal_operator.lifecycle import LEADER_GONE_S
+from tidal_operator.lifecycle import RENDEZVOUS_GONE_S
 from tidal_operator.metrics import Metrics
 from tidal_operator.policy import decide
 
@@ -110,9 +110,9 @@ class Cluster:
             "spec": {"containers": [{"name": "main", "image": "busybox", "resources": {
                 "limits": {"nvidia.com/gpu": gpus}}}]}}))
 
-    def pods_of(self, job: str) -> list[str]:
-        return sorted(p.metadata.name for p in self.api.list(Pod, namespace=NS,
-                                                             labels={"tidal.dev/job": job}))
+    def pods_of(self, job: str, role: str = "worker") -> list[str]:
+        return sorted(p.metadata.name for p in self.api.list(
+            Pod, namespace=NS, labels={"tidal.dev/job": job, "tidal.dev/role": role}))
 
     def run_pods(self, node: str = "node-0") -> None:
         """The scheduler and kubelet: the job's new pods bound and running, deleted ones gone."""
@@ -244,30 +244,31 @@ async def test_no_scale_up_within_the_cooldown_after_a_decision(cluster, restart
 
 @pytest.mark.asyncio
 @RESTART
-async def test_a_leader_gone_restarts_the_job_after_leader_gone_s(cluster, restart):
+async def test_a_rendezvous_gone_restarts_the_job_after_rendezvous_gone_s(cluster, restart):
     t0 = T0()
     cluster.job("phoenix", workers={"min": 2, "max": 2}, maxRestarts=0)
     await started(cluster, "phoenix", t0)
     assert await cluster.round(t0 + 1) == ()
     assert cluster.status("phoenix")["phase"] == "Running"
     old = {p.metadata.name: p.metadata.uid for p in cluster.api.list(Pod, namespace=NS)}
-    # The leader's pod is deleted (its node drained): once gone for LEADER_GONE_S, the job
-    # restarts, whatever maxRestarts (0 here): it is no failure.
-    cluster.api.delete(Pod, "phoenix-worker-0", namespace=NS)
+    assert cluster.pods_of("phoenix", "rendezvous") == ["phoenix-rendezvous"]
+    # The rendezvous pod is deleted (its node drained): once gone for RENDEZVOUS_GONE_S, the
+    # job restarts, whatever maxRestarts (0 here): it is no failure.
+    cluster.api.delete(Pod, "phoenix-rendezvous", namespace=NS)
     cluster.run_pods()
     await cluster.round(t0 + 2)
-    assert cluster.status("phoenix")["leaderMissingSince"]
+    assert cluster.status("phoenix")["rendezvousMissingSince"]
     if restart:
         await cluster.restart()
-    await cluster.round(t0 + 2 + LEADER_GONE_S - 1)
+    await cluster.round(t0 + 2 + RENDEZVOUS_GONE_S - 1)
     assert cluster.status("phoenix").get("restarts", 0) == 0
-    await cluster.round(t0 + 2 + LEADER_GONE_S)
+    await cluster.round(t0 + 2 + RENDEZVOUS_GONE_S)
     status = cluster.status("phoenix")
     assert status["restarts"] == 1 and status.get("failures", 0) == 0
     assert status.get("members", []) == [] and status.get("lost", []) == []
-    assert "target" not in status and "leaderMissingSince" not in status
+    assert "target" not in status and "rendezvousMissingSince" not in status
     assert [m for r, m in cluster.events("phoenix") if r == "Restarted"] == [
-        "the leader phoenix-worker-0 is gone at step 5: restart 1, from step 0 "
+        "the rendezvous phoenix-rendezvous is gone at step 5: restart 1, from step 0 "
         "(spec.checkpoint.path is unset)"]
     # The other pod goes; then the first pods come back, new ones, for generation 0.
     await cluster.round(t0 + 13)
@@ -276,11 +277,38 @@ async def test_a_leader_gone_restarts_the_job_after_leader_gone_s(cluster, resta
     await cluster.round(t0 + 14)
     cluster.apply("phoenix")
     new = {p.metadata.name: p.metadata.uid for p in cluster.api.list(Pod, namespace=NS)}
-    assert sorted(new) == ["phoenix-worker-0", "phoenix-worker-1"]
+    assert sorted(new) == ["phoenix-rendezvous", "phoenix-worker-0", "phoenix-worker-1"]
     assert all(new[p] != old[p] for p in new)
     assert cluster.status("phoenix")["target"]["generation"] == 0
     assert await cluster.round(t0 + 15) == ()
     assert cluster.status("phoenix")["phase"] == "Running"
+
+
+@pytest.mark.asyncio
+async def test_a_leader_lost_while_the_job_runs_is_no_restart(cluster):
+    """The leader's pod fails (SIGKILL, its node gone) once the job runs: a survivor leads the
+    agent on, so the job goes on; before its first generation, the first leader's failure is
+    the job's (say, its agent refused the spec)."""
+    t0 = T0()
+    cluster.job("hydra", workers={"min": 2, "max": 2}, maxRestarts=0)
+    await started(cluster, "hydra", t0)
+    cluster.api.patch(Pod.Status, "hydra-worker-0", {"status": {"phase": "Failed"}},
+                      namespace=NS, patch_type=PatchType.MERGE)
+    await cluster.round(t0 + 1)
+    await cluster.round(t0 + 20)  # past RENDEZVOUS_GONE_S: nothing else is missing
+    status = cluster.status("hydra")
+    assert status.get("restarts", 0) == 0 and status["phase"] != "Failed"
+    cluster.publish("hydra", members=["hydra-worker-1"], lost=["hydra-worker-0"])
+    await cluster.round(t0 + 21)
+    assert cluster.status("hydra").get("restarts", 0) == 0
+
+    cluster.job("stillborn", workers={"min": 2, "max": 2}, maxRestarts=0)
+    await cluster.round(t0 + 22)
+    cluster.run_pods()
+    cluster.api.patch(Pod.Status, "stillborn-worker-0", {"status": {"phase": "Failed"}},
+                      namespace=NS, patch_type=PatchType.MERGE)
+    await cluster.round(t0 + 23)
+    assert cluster.status("stillborn")["phase"] == "Failed"
 
 
 @pytest.mark.asyncio

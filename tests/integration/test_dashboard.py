@@ -77,9 +77,9 @@ def stop(proc: subprocess.Popen | Forked) -> None:
 
 
 class WorkerPods:
-    """The kubelet's part for the job's worker pods: a ``tidal agent`` process for each pod
+    """The kubelet's part for the job's pods: a ``tidal agent`` process for each worker pod
     that runs, with the pod's environment, its own metrics port and the rendezvous on
-    localhost (a pod's address here)."""
+    localhost (a pod's address here), and the rendezvous pod's ``tidal rendezvous``."""
 
     def __init__(self, api: Client, kubeconfig: Path, logs: Path, max_workers: int) -> None:
         self.api, self.kubeconfig, self.logs = api, kubeconfig, logs
@@ -104,10 +104,11 @@ class WorkerPods:
                     keys.ENV_RENDEZVOUS_PORT: str(self.rendezvous_port), "OMP_NUM_THREADS": "1"})
         base = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
         assert container.command[0] == "tidal", container.command
-        args = [*container.command[1:],
-                "--kubeconfig", str(self.kubeconfig), "--modeled-table",  # as tidal local
-                "--publish-interval", "0.5",
-                "--timeout", "90", "--metrics-port", str(self.metrics_ports[name])]
+        args = [*container.command[1:]]
+        if pod.metadata.labels[keys.ROLE_LABEL] == "worker":
+            args += ["--kubeconfig", str(self.kubeconfig), "--modeled-table",  # as tidal local
+                     "--publish-interval", "0.5",
+                     "--timeout", "90", "--metrics-port", str(self.metrics_ports[name])]
         # a fork of this process's warmed server, as tidal local's pods are
         self.procs[name] = fork("tidal_cli", args, env={**base, **env},
                                 log_path=self.logs / f"{name}.log", cwd=ROOT)

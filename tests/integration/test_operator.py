@@ -165,9 +165,9 @@ class Leader:
         return target
 
 
-def pods_of(api: Client, job: str) -> list[str]:
-    return sorted(p.metadata.name for p in api.list(Pod, namespace=NS,
-                                                    labels={"tidal.dev/job": job}))
+def pods_of(api: Client, job: str, role: str = "worker") -> list[str]:
+    return sorted(p.metadata.name for p in api.list(
+        Pod, namespace=NS, labels={"tidal.dev/job": job, "tidal.dev/role": role}))
 
 
 def events_of(api: Client, job: str) -> list[tuple[str, str]]:
@@ -427,11 +427,13 @@ def test_a_job_in_its_last_steps_is_not_scaled_and_ends_succeeded(cluster):
              seen=leader.status)
 
 
-def test_a_job_whose_leader_fails_restarts_then_fails_past_max_restarts(cluster):
-    """A leader gone (not failed) restarts the job whatever maxRestarts: test_controller.py."""
+def test_a_job_whose_rendezvous_fails_restarts_then_fails_past_max_restarts(cluster):
+    """A rendezvous gone (not failed) restarts the job whatever maxRestarts, and a leader
+    lost while the job runs restarts nothing: test_controller.py."""
     api, operator, _ = cluster
     leader = Leader(api, "phoenix")
     w = [f"phoenix-worker-{i}" for i in range(2)]
+    rendezvous = "phoenix-rendezvous"
     api.create(ETJ(job_manifest("phoenix", workers={"min": 2, "max": 2}, maxRestarts=1)))
 
     def started_again(old: dict[str, str]) -> dict[str, str]:
@@ -440,7 +442,8 @@ def test_a_job_whose_leader_fails_restarts_then_fails_past_max_restarts(cluster)
             # One list: a pod listed, then read again, may be gone by then (the restart).
             uids = {p.metadata.name: p.metadata.uid for p in api.list(
                 Pod, namespace=NS, labels={"tidal.dev/job": "phoenix"})}
-            fresh = sorted(uids) == w and all(uids[p] != old.get(p) for p in w)
+            pods = sorted([*w, rendezvous])
+            fresh = sorted(uids) == pods and all(uids[p] != old.get(p) for p in pods)
             return uids if fresh else None
 
         pods = wait_for("new first pods", new_pods)
@@ -458,32 +461,33 @@ def test_a_job_whose_leader_fails_restarts_then_fails_past_max_restarts(cluster)
         return status, next(m for m in lines if f"restart {count}," in m)
 
     uids = started_again({})
-    # The leader fails: a failure, the one maxRestarts allows. Its pod goes with the restart;
-    # the Event keeps what its logs ended with (the kubelet's FallbackToLogsOnError).
-    api.patch(Pod.Status, w[0], {"status": {"phase": "Failed", "containerStatuses": [
-        {"name": "agent", "image": "tidal", "imageID": "", "ready": False, "restartCount": 0,
-         "state": {"terminated": {
+    # The rendezvous fails: a failure, the one maxRestarts allows. Its pod goes with the
+    # restart; the Event keeps what its logs ended with (the kubelet's FallbackToLogsOnError).
+    api.patch(Pod.Status, rendezvous, {"status": {"phase": "Failed", "containerStatuses": [
+        {"name": "rendezvous", "image": "tidal", "imageID": "", "ready": False,
+         "restartCount": 0, "state": {"terminated": {
             "exitCode": 1, "message": "Traceback (most recent call last):\n  ...\n"
-                                      "RuntimeError: CUDA error: an illegal memory access\n"}}}]}},
+                                      "MemoryError\n"}}}]}},
               namespace=NS, patch_type=PatchType.MERGE)
     status, line = restarted(1)
     assert status["failures"] == 1
     assert status.get("members", []) == [] and status.get("lost", []) == []
     assert (status.get("target") or {}).get("generation", 0) == 0
-    assert line == ("the leader phoenix-worker-0 failed (exit code 1, RuntimeError: CUDA error: "
-                    "an illegal memory access) at step 5: restart 1, failure 1 of 1, from step 0 "
-                    "(spec.checkpoint.path is unset)")
+    assert line == ("the rendezvous phoenix-rendezvous failed (exit code 1, MemoryError) at "
+                    "step 5: restart 1, failure 1 of 1, from step 0 (spec.checkpoint.path is "
+                    "unset)")
     started_again(uids)
 
-    # It fails again, with no restart left: the job fails, and its other pod, which holds a
-    # GPU for nothing, goes. The failed pod stays, for its logs.
-    api.patch(Pod.Status, w[0], {"status": {"phase": "Failed"}}, namespace=NS,
+    # It fails again, with no restart left: the job fails, and its workers, which hold GPUs
+    # for nothing, go. The failed pod stays, for its logs.
+    api.patch(Pod.Status, rendezvous, {"status": {"phase": "Failed"}}, namespace=NS,
               patch_type=PatchType.MERGE)
     wait_for("phase Failed", lambda: leader.status().get("phase") == "Failed",
              seen=leader.status)
-    wait_for("the running pod deleted", lambda: pods_of(api, "phoenix") == w[:1])
-    assert any(r == "Failed" and m == ("the leader phoenix-worker-0 failed at step 10, after 1 "
-                                       "failures (spec.maxRestarts): the job fails")
+    wait_for("the running pods deleted", lambda: pods_of(api, "phoenix") == [])
+    assert pods_of(api, "phoenix", "rendezvous") == [rendezvous]
+    assert any(r == "Failed" and m == ("the rendezvous phoenix-rendezvous failed at step 10, "
+                                       "after 1 failures (spec.maxRestarts): the job fails")
                for r, m in events_of(api, "phoenix"))
     operator.await_rounds()  # rounds go by: it stays failed, and nothing restarts
     assert leader.status()["phase"] == "Failed" and leader.status()["restarts"] == 1

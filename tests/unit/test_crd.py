@@ -527,7 +527,7 @@ def test_a_full_status_is_admitted_and_survives_defaulting():
                       micro_batch_size=1, num_micro_batches=1024),
         scale_table=table,
         arrivals=(Arrival(pod="batch/train-7", created_at="2026-01-01T00:00:00Z"),),
-        leader_missing_since="2026-01-01T00:04:00Z",
+        rendezvous_missing_since="2026-01-01T00:04:00Z",
     )
     doc = _doc(status=status.model_dump(mode="json", by_alias=True))
     assert _admit(doc) == []

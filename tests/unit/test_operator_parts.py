@@ -25,7 +25,7 @@ def job():
     return parse_job(doc)
 
 
-def test_worker_pod_is_owned_labelled_and_finds_its_leader(job):
+def test_worker_pod_is_owned_labelled_and_finds_its_rendezvous(job):
     pod = builders.worker_pod(job, uid="u-1", index=3, generation=2)
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "tiny-worker-3" and meta["namespace"] == "team-a"
@@ -39,12 +39,12 @@ def test_worker_pod_is_owned_labelled_and_finds_its_leader(job):
     assert spec["restartPolicy"] == "Never"
     assert (spec["hostname"], spec["subdomain"]) == ("tiny-worker-3", "tiny")
     env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
-    assert env[keys.ENV_RENDEZVOUS_HOST] == "tiny-worker-0.tiny.team-a.svc"
+    assert env[keys.ENV_RENDEZVOUS_HOST] == "tiny-rendezvous.tiny.team-a.svc"
     assert env[keys.ENV_RENDEZVOUS_PORT] == str(keys.RENDEZVOUS_PORT)
     assert env[keys.ENV_JOB] == "tiny" and env[keys.ENV_NAMESPACE] == "team-a"
     assert env[keys.ENV_METRICS_PORT] == str(keys.METRICS_PORT)
     assert {p["name"]: p["containerPort"] for p in spec["containers"][0]["ports"]} == {
-        "rendezvous": keys.RENDEZVOUS_PORT, "metrics": keys.METRICS_PORT}
+        "metrics": keys.METRICS_PORT}
     assert pod_gpus(spec, "nvidia.com/gpu") == job.spec.gpus_per_worker
     assert "terminationGracePeriodSeconds" not in spec  # Kubernetes' default
     assert spec["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
@@ -66,10 +66,37 @@ def test_the_operators_worker_settings_reach_every_worker_pod(job):
     assert pod_gpus(spec, "nvidia.com/gpu") == 0
 
 
-def test_headless_service_selects_the_jobs_workers(job):
+def test_the_rendezvous_pod_hosts_the_store_on_a_cpu_where_the_workers_run(job):
+    """``tidal rendezvous`` in the agent's image, at the address every worker is given, asking
+    for no GPU, on the nodes the template lets the workers use."""
+    template = job.spec.template.model_copy(update={
+        "node_selector": {"pool": "gpu"},
+        "tolerations": ({"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},)})
+    job = job.model_copy(update={"spec": job.spec.model_copy(update={"template": template})})
+    pod = builders.rendezvous_pod(job, uid="u-1")
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == "tiny-rendezvous" and meta["namespace"] == "team-a"
+    assert meta["ownerReferences"][0]["uid"] == "u-1"
+    assert meta["labels"][keys.JOB_LABEL] == "tiny"
+    assert meta["labels"][keys.ROLE_LABEL] == "rendezvous"
+    assert keys.ELASTIC_LABEL not in meta["labels"] and "priorityClassName" not in spec
+    (container,) = spec["containers"]
+    assert container["command"] == ["tidal", "rendezvous"]
+    assert container["image"] == job.spec.template.image
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[keys.ENV_JOB] == "tiny"
+    assert env[keys.ENV_RENDEZVOUS_PORT] == str(keys.RENDEZVOUS_PORT)
+    host = builders.rendezvous_host("tiny", "team-a")
+    assert f"{spec['hostname']}.{spec['subdomain']}.team-a.svc" == host
+    assert pod_gpus(spec, "nvidia.com/gpu") == 0
+    assert spec["nodeSelector"] == {"pool": "gpu"} and spec["tolerations"] == [
+        {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_headless_service_selects_the_jobs_pods(job):
     svc = builders.headless_service(job, uid="u-1")
     assert svc["spec"]["clusterIP"] == "None"
-    assert svc["spec"]["selector"] == {keys.JOB_LABEL: "tiny", keys.ROLE_LABEL: "worker"}
+    assert svc["spec"]["selector"] == {keys.JOB_LABEL: "tiny"}  # the rendezvous pod too
     assert svc["metadata"]["name"] == "tiny"  # the pods' subdomain
 
 
@@ -171,5 +198,12 @@ def test_the_handlers_read_their_operators_config_from_its_memo():
     nvidia, amd = memo_for(Config()), memo_for(Config(gpu_resource="amd.com/gpu"))
     assert handlers.cluster_pods(body=pod, memo=nvidia) == {
         "default/tiny-worker-0": pod_view(pod, "nvidia.com/gpu")}
-    assert handlers.cluster_pods(body=pod, memo=amd) == {}  # no AMD GPUs: not indexed
+    # A Tidal pod is indexed whatever it asks for (a job's rendezvous pod asks for no GPU);
+    # another pod only for the GPUs it asks for.
+    assert handlers.cluster_pods(body=pod, memo=amd) == {
+        "default/tiny-worker-0": pod_view(pod, "amd.com/gpu")}
+    other = {**pod, "metadata": {**pod["metadata"], "labels": {}}}
+    assert handlers.cluster_pods(body=other, memo=nvidia) == {
+        "default/tiny-worker-0": pod_view(other, "nvidia.com/gpu")}
+    assert handlers.cluster_pods(body=other, memo=amd) == {}  # no AMD GPUs: not indexed
     assert (nvidia.config, nvidia.kubeconfig, nvidia.metrics_port) == (Config(), None, None)

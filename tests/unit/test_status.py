@@ -35,13 +35,13 @@ def test_a_status_patch_is_the_wire_form_of_the_fields_given():
     target = Target(workers=4, generation=2, reason="IdleGPUs", join=("j-worker-3",),
                     issued_at="2026-01-01T00:00:00Z")
     patch = status_patch(target=target, last_scale_time="2026-01-01T00:00:00Z",
-                         leader_missing_since=None,
+                         rendezvous_missing_since=None,
                          arrivals=(Arrival(pod="ns/p", created_at="2026-01-01T00:00:00Z"),))
     assert patch == {
         "target": {"workers": 4, "generation": 2, "reason": "IdleGPUs", "join": ["j-worker-3"],
                    "release": [], "issuedAt": "2026-01-01T00:00:00Z", "deadline": None},
         "lastScaleTime": "2026-01-01T00:00:00Z",
-        "leaderMissingSince": None,  # a merge patch's null deletes the field
+        "rendezvousMissingSince": None,  # a merge patch's null deletes the field
         "arrivals": [{"pod": "ns/p", "createdAt": "2026-01-01T00:00:00Z", "gpus": 1}],
     }
     assert status_patch(target=None, members=()) == {"target": None, "members": []}
