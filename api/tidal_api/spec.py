@@ -460,11 +460,12 @@ class JobSpec(Spec):
         "whether the job re-plans around it."
     )
     max_restarts: int = Field(
-        3, ge=0, description="Failures the operator restarts the job after: its leader "
-        "(worker-0, which hosts the rendezvous) failed, or every worker did. A restart is fresh "
-        "pods, starting from the newest complete checkpoint under checkpoint.path; one more "
-        "failure, and the job fails. A leader asked to stop (its pod deleted, preempted or "
-        "drained) is no failure: the job restarts whatever the count."
+        3, ge=0, description="Failures the operator restarts the job after: its rendezvous "
+        "pod failed, its first leader failed before the first generation, or every worker "
+        "did. A restart is fresh pods, starting from the newest complete checkpoint under "
+        "checkpoint.path; one more failure, and the job fails. A leader asked to stop (its pod "
+        "deleted, preempted or drained), or a rendezvous pod gone, is no failure: the job "
+        "restarts whatever the count."
     )
     template: TemplateSpec = Field(
         default_factory=TemplateSpec, description="Overrides for the worker pods."
