@@ -6,13 +6,13 @@ The job runs as ``tidal agent`` processes against the Kubernetes API emulator, t
 playing the operator: after each fault the survivors recover from the peer snapshots, and a
 spare pod waiting in standby is named by a grow target, back to ``--workers``. The loop is
 tests/integration/soak.py's (its 20-fault version runs in ``make test``); its module docstring
-says how the faults are timed and what a fault costs. The leader is never faulted: it hosts
-the rendezvous, and a lost leader is the job's restart path.
+says how the faults are timed and what a fault costs. A quarter of the faults kill the leader:
+the rendezvous runs in a process of its own, and a survivor takes the lead.
 
 Its last line is JSON: ``bitwise_equal`` (every step once, each loss and the final parameters
 those of a fault-free 2-worker run), ``faults``, ``recover_s`` (the kill to the survivors'
 generation in status: median, p90, p99, max) and the rest of the summary (faults by kind,
-steps replayed, the leader's pauses, wall time, spares that never started). Each fault's
+steps replayed, the leader's pauses, wall time, spares that never registered). Each fault's
 record (kind, victim, the step it failed at and resumed from, the pause) goes to
 ``faults.json`` in the work directory. Exits 1 where the bits differ. Progress goes to
 stderr.

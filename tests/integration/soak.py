@@ -39,9 +39,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightkube import Client
 
 from tests.integration.agents import (Observer, Pods, create, differing_bits, job_doc,
@@ -168,7 +170,7 @@ class SoakRun:
     faults: list[Fault]
     grows_s: list[float]  # a replacement's grow target written to applied in status
     wall_s: float
-    stillborn: list[str]  # spares whose process never started (replaced, never named)
+    stillborn: list[str]  # spares that never registered (killed and replaced, never named)
 
     @property
     def differs(self) -> str | None:
@@ -322,6 +324,7 @@ class FaultSoak:
         self.grows_s: list[float] = []
         self.faults: list[Fault] = []
         self._pods = 0  # pod indices given out
+        self._store: dist.Store | None = None  # the rendezvous's, once a spare is asked for
         self._began = 0.0
 
     def run(self) -> SoakRun:
@@ -388,17 +391,21 @@ class FaultSoak:
             self.spares.append(self._start_pod())
 
     def _spare(self, within_s: float = 30.0) -> str:
-        """The oldest spare whose process has started (its log exists). A fork that has not
-        written its log within ``within_s`` of the ask is killed, counted and replaced: seen
-        once in 100 faults here, a forked pod that never ran its first line."""
+        """The oldest spare that has registered with the rendezvous (``pod/<pod>`` in its
+        store). One that has not within ``within_s`` of the ask is killed, counted and
+        replaced: seen about once in 150 faults here, a forked pod that never ran its first
+        line, or never got as far as registering."""
+        if self._store is None:  # the job's rendezvous, as the pods see it
+            self._store = dist.PrefixStore(f"{JOB}/", dist.TCPStore(
+                "127.0.0.1", self.pods.port, is_master=False, timeout=timedelta(seconds=30)))
         while True:
             pod = self.spares.pop(0) if self.spares else self._start_pod()
             deadline = time.monotonic() + within_s
-            while not self.pods.log_path(pod).exists() and time.monotonic() < deadline:
+            while not self._store.check([f"pod/{pod}"]) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if self.pods.log_path(pod).exists():
+            if self._store.check([f"pod/{pod}"]):
                 return pod
-            self.progress(f"{pod} never started: killed and replaced")
+            self.progress(f"{pod} never registered: killed and replaced")
             self.pods.kill(pod)
             self.killed.add(pod)
             self.stillborn.append(pod)
