@@ -17,17 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
-sys.path[:0] = [*SOURCES, str(ROOT)]
-# The static run's workers fork from a server that imports from PYTHONPATH (bench/soak.py).
-os.environ["PYTHONPATH"] = os.pathsep.join([*SOURCES, os.environ.get("PYTHONPATH", "")]).rstrip(
-    os.pathsep)
+import checkout  # noqa: E402, F401 - first: this checkout's code, here and in forks
 
 from tests.e2e.operator_loss import check, lose_the_operator  # noqa: E402
 

@@ -25,20 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
-sys.path[:0] = [*SOURCES, str(ROOT)]
-# The static run's workers fork from a server (tidal_agent.runner.worker_processes) that
-# imports from PYTHONPATH, not from this sys.path (Python 3.11's forkserver drops it): without
-# this, in a second checkout, they would train an installed checkout's code.
-os.environ["PYTHONPATH"] = os.pathsep.join([*SOURCES, os.environ.get("PYTHONPATH", "")]).rstrip(
-    os.pathsep)
+import checkout  # noqa: E402, F401 - first: this checkout's code, here and in forks
 
 from tests.integration.agents import crd_client  # noqa: E402
 from tests.integration.soak import FaultSoak, SoakConfig  # noqa: E402
