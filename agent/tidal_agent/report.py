@@ -32,6 +32,16 @@ log = logging.getLogger("tidal.agent")
 
 # The report's lists a leader hands on to the next, as the journal keeps them.
 JOURNALED = ("generations", "reconfigurations", "recoveries", "stragglers", "replans", "profiled")
+READ_AT_ONCE = 1000  # journal records per store round trip, as a new leader reads them
+
+
+def _read(journal: dist.Store, keys: list[str]) -> list[Any]:
+    """The records under ``keys``, in order, a few round trips for however many there are
+    (one per key would hold a new leader's fault path up for seconds in a long job)."""
+    records = []
+    for at in range(0, len(keys), READ_AT_ONCE):
+        records += [json.loads(v) for v in journal.multi_get(keys[at:at + READ_AT_ONCE])]
+    return records
 
 
 class AgentReport(Listener):
@@ -50,8 +60,10 @@ class AgentReport(Listener):
         # is written.
         self.final_step = final_step
         # The leader's: the store its history goes to (``lead``), one record per key:
-        # ``journal/step/<step>`` (from ``journal/step/first``), ``journal/<list>/<n>``.
+        # ``journal/step/<step>`` (from ``journal/step/first`` to before ``journal/step/next``),
+        # ``journal/<list>/<n>`` (from 1 to ``journal/<list>/count``).
         self.journal: dist.Store | None = None
+        self._first_kept = False  # journal/step/first is set
         self.steps: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -75,15 +87,14 @@ class AgentReport(Listener):
         """This pod leads from now on: its events go to ``link`` and to ``journal``, after
         the history the leaders before it kept there."""
         if journal is not None:
-            if journal.check(["journal/step/first"]):
-                step = int(journal.get("journal/step/first"))
-                while journal.check([f"journal/step/{step}"]):
-                    self.steps.append(json.loads(journal.get(f"journal/step/{step}")))
-                    step += 1
+            self._first_kept = journal.check(["journal/step/first"])
+            if self._first_kept:
+                first, end = (int(journal.get(f"journal/step/{k}")) for k in ("first", "next"))
+                self.steps = _read(journal, [f"journal/step/{s}" for s in range(first, end)])
             for name in JOURNALED:
                 count = journal.add(f"journal/{name}/count", 0)
-                setattr(self, name, [json.loads(journal.get(f"journal/{name}/{n}"))
-                                     for n in range(1, count + 1)])
+                setattr(self, name, _read(journal, [f"journal/{name}/{n}"
+                                                    for n in range(1, count + 1)]))
             for record in self.stragglers:  # who is flagged now, as the history says
                 if record["flagged"]:
                     self._flagged[record["member"]] = Straggler(worker="", **record)
@@ -105,8 +116,11 @@ class AgentReport(Listener):
         record = event.record()
         self.steps.append(record)
         if self.journal is not None:
-            self.journal.compare_set("journal/step/first", "", str(event.step))
+            if not self._first_kept:
+                self.journal.compare_set("journal/step/first", "", str(event.step))
+                self._first_kept = True
             self.journal.set(f"journal/step/{event.step}", json.dumps(record))
+            self.journal.set("journal/step/next", str(event.step + 1))
         self._recent.append(event.seconds)
         log.info("step %5d  pp%d  loss %.4f  %7.1f ms", event.step, event.layout.pp, event.loss,
                  event.seconds * 1e3)
@@ -172,10 +186,12 @@ class AgentReport(Listener):
         replayed, and their results replace the ones reported before the fault."""
         resumed = event.resumed_at
         replayed = sum(1 for s in self.steps if s["step"] >= resumed)
-        if self.journal is not None:  # a later leader reads on from the first, till a gap
+        if self.journal is not None:  # a later leader reads from the first to the next
             for record in self.steps:
                 if record["step"] >= resumed:
                     self.journal.delete_key(f"journal/step/{record['step']}")
+            if self._first_kept:
+                self.journal.set("journal/step/next", str(resumed))
         self.steps = [s for s in self.steps if s["step"] < resumed]
         self._keep("recoveries", {**event.record(), "replayed_steps": replayed})
         if self.metrics is not None:
