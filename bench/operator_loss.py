@@ -6,7 +6,8 @@ runs in ``make test``.
 
 Its last line is JSON: ``ok``, ``kills`` and how many struck with a scale in flight, the
 generations seen, ``duplicate_targets`` (a generation with two targets: a decision taken
-twice), ``stray_pods`` (a worker pod its generation's target does not join: created twice),
+twice), ``stray_pods`` (a worker pod its generation's target does not join),
+``pods_created_twice`` (two pods of one name for one generation), ``worker_pods`` (by uid),
 ``bitwise_equal`` (every step once, each loss and the final parameters those of a static
 2-worker run) and the wall time. Exits 1 unless ``ok``. Progress goes to stderr.
 

@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import urllib.request
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,13 +43,13 @@ def steps_for(kills: int) -> int:
 
 class Sampler:
     """The job's status and its worker pods, read every 0.1 s in a thread of its own: every
-    target seen (by generation) and every worker pod seen, with the generation it was
-    created for."""
+    target seen (by generation) and every worker pod seen (by uid: a released pod's name is
+    given again by a later grow), with its name and the generation it was created for."""
 
     def __init__(self, kubeconfig: Path) -> None:
         self.api = Client(KubeConfig.from_file(kubeconfig).get())
         self.targets: dict[int, list[dict]] = defaultdict(list)
-        self.pods: dict[str, int] = {}  # worker pod -> the generation it was created for
+        self.pods: dict[str, tuple[str, int]] = {}  # uid -> (name, generation created for)
         self.status: dict = {}
         self.errors: list[Exception] = []
         self._stop = threading.Event()
@@ -71,7 +71,8 @@ class Sampler:
                 self.targets[target["generation"]].append(target)
             for pod in pods:
                 labels = pod.metadata.labels or {}
-                self.pods.setdefault(pod.metadata.name, int(labels[keys.GENERATION_LABEL]))
+                self.pods.setdefault(pod.metadata.uid, (pod.metadata.name,
+                                                        int(labels[keys.GENERATION_LABEL])))
 
     def in_flight(self) -> bool:
         """A scale-up or a scale-down under way: a target not applied yet."""
@@ -128,22 +129,28 @@ def lose_the_operator(workdir: Path, *, kills: int, seed: int = 0,
 
 def check(seen: dict[str, Any], kills: int) -> dict[str, Any]:
     """What must hold, as a summary whose ``ok`` says whether it does: the kills, most of
-    them with a scale in flight; one target per generation; each worker pod created for the
-    generation whose target joins it; the job's steps and parameters a static run's."""
+    them with a scale in flight; one target per generation; each worker pod created once,
+    for the generation whose target joins it; the job's steps and parameters a static
+    run's."""
     targets, in_flight = seen["targets"], seen["in_flight"]
     duplicates = {g: t for g, t in targets.items() if len(t) > 1}
-    stray = {pod: g for pod, g in seen["pods"].items()
-             if g in targets and len(targets[g]) == 1 and pod not in targets[g][0].get("join", ())}
+    created = Counter(seen["pods"].values())  # (name, generation) -> pods created so
+    twice = sorted(f"{name} for generation {g}" for (name, g), n in created.items() if n > 1)
+    stray = sorted(f"{name} for generation {g}" for name, g in created
+                   if g in targets and len(targets[g]) == 1
+                   and name not in targets[g][0].get("join", ()))
     doc = seen["doc"]
     differs = differing_bits(seen["report"], _static(doc, 2), doc["spec"]["training"]["steps"])
     summary = {
         "kills": len(in_flight), "with_a_scale_in_flight": sum(in_flight),
         "generations": len(targets), "duplicate_targets": duplicates, "stray_pods": stray,
-        "worker_pods": len(seen["pods"]), "api_errors": seen["api_errors"],
+        "pods_created_twice": twice, "worker_pods": len(seen["pods"]),
+        "api_errors": seen["api_errors"],
         "bitwise_equal": differs is None, "differs": differs, "wall_s": round(seen["wall_s"], 1),
     }
     summary["ok"] = (len(in_flight) == kills and sum(in_flight) >= kills // 2
-                     and len(targets) >= 6 and not duplicates and not stray and differs is None)
+                     and len(targets) >= 6 and not duplicates and not stray and not twice
+                     and differs is None)
     return summary
 
 
