@@ -1,7 +1,7 @@
 """The operator lost while it scales: ``tidal local`` with ``tidal-operator`` killed (SIGKILL)
 ``--kills`` times in one run, each at a random moment within 0.3 s of a scale-up or scale-down
 target written and not yet applied (a non-elastic pod for two of the four GPUs makes one every
-few seconds). The loop and what must hold are tests/e2e/operator_loss.py's; its 4-kill version
+few seconds). The loop and what must hold are tests/e2e/operator_loss.py's; its 2-kill version
 runs in ``make test``.
 
 Its last line is JSON: ``ok``, ``kills`` and how many struck with a scale in flight, the

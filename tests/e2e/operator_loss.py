@@ -36,9 +36,10 @@ GPUS = 4
 
 
 def steps_for(kills: int) -> int:
-    """The job's length: the kills' time and then some (a step takes about 0.1 s here at 2 to
-    4 workers, and a kill aimed at the next scale about 3 s)."""
-    return 150 + 35 * kills
+    """The job's length: the kills' time and then some. A kill aimed at the next scale comes
+    every 13 steps or so here (twenty were done by step 265 in bench/operator_loss.py's run),
+    after 20 steps to start."""
+    return 80 + 20 * kills
 
 
 class Sampler:
@@ -128,8 +129,9 @@ def lose_the_operator(workdir: Path, *, kills: int, seed: int = 0,
 
 
 def check(seen: dict[str, Any], kills: int) -> dict[str, Any]:
-    """What must hold, as a summary whose ``ok`` says whether it does: the kills, most of
-    them with a scale in flight; one target per generation; each worker pod created once,
+    """What must hold, as a summary whose ``ok`` says whether it does: the kills, half of
+    them at least with a scale in flight; a grow and a shrink at least; one target per
+    generation; each worker pod created once,
     for the generation whose target joins it; the job's steps and parameters a static
     run's."""
     targets, in_flight = seen["targets"], seen["in_flight"]
@@ -149,7 +151,7 @@ def check(seen: dict[str, Any], kills: int) -> dict[str, Any]:
         "bitwise_equal": differs is None, "differs": differs, "wall_s": round(seen["wall_s"], 1),
     }
     summary["ok"] = (len(in_flight) == kills and sum(in_flight) >= kills // 2
-                     and len(targets) >= 6 and not duplicates and not stray and not twice
+                     and len(targets) >= 3 and not duplicates and not stray and not twice
                      and differs is None)
     return summary
 

@@ -9,7 +9,7 @@ from tests.e2e.operator_loss import check, lose_the_operator
 
 pytestmark = pytest.mark.slow
 
-KILLS = 4
+KILLS = 2
 
 
 @pytest.mark.timeout(400)
