@@ -490,38 +490,6 @@ def agent(kubeconfig, threads, steps, report, plan_device, publish_interval_s, b
 
 
 @main.command()
-@click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, help="Seconds a store client waits on anything.")
-def rendezvous(timeout_s) -> None:
-    """Host an ElasticTrainingJob's rendezvous (its store and presence server), as the operator
-    starts it in the job's <job>-rendezvous pod, apart from every worker so that it outlives
-    any one of them.
-
-    The job and port come from TIDAL_JOB and TIDAL_RENDEZVOUS_PORT. It exits 0 once the job's
-    last leader is done with it, or on SIGTERM.
-    """
-    import logging
-    import os
-    import signal
-    import threading
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    job = os.environ.get(keys.ENV_JOB)
-    port = os.environ.get(keys.ENV_RENDEZVOUS_PORT) or str(keys.RENDEZVOUS_PORT)
-    if not job:
-        raise click.ClickException(f"set {keys.ENV_JOB}: the operator puts it in the pod")
-    if not port.isdigit():
-        raise click.ClickException(f"{keys.ENV_RENDEZVOUS_PORT}={port!r} is not a port number")
-    from tidal_agent.host import serve
-
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    try:
-        serve(int(port), f"{job}/", timeout_s=timeout_s, stop=stop)
-    except RuntimeError as err:  # c10d's: the port is taken
-        raise click.ClickException(f"cannot host the rendezvous on port {port}: {err}") from None
-
-
-@main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--checkpoint", "which", default="latest", show_default=True, help="A checkpoint directory, or 'latest' under spec.checkpoint.path.")

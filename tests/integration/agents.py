@@ -97,7 +97,7 @@ class Pods:
         self.procs: dict[str, Forked] = {}
         self.rendezvous = f"{job}-rendezvous"
         self.procs[self.rendezvous] = fork(
-            "tidal_agent.cli", ["rendezvous", "--timeout", str(timeout_s)],
+            "tidal_cli", ["rendezvous", "--timeout", str(timeout_s)],
             env=self._env(self.rendezvous), log_path=self._fresh_log(self.rendezvous), cwd=ROOT)
 
     def name(self, index: int) -> str:
