@@ -336,16 +336,20 @@ class ControlledGenerations:
         """``key`` once the leader writes it; ``LeaderRecovering`` if the leader is lost
         first (looked at every ``leader_wait_s``): the fault path, where a survivor takes the
         lead."""
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=self.leader_wait_s))
-                return self.store.get(key)
-            except dist.DistNetworkError:
-                raise
-            except dist.DistStoreError:  # not written yet (a timeout)
-                if self._lost(self._leader, time.monotonic()):
-                    raise LeaderRecovering(f"at {where}: the leader {self._leader} is "
-                                           "lost") from None
+        while not self._written(key):
+            if self._lost(self._leader, time.monotonic()):
+                raise LeaderRecovering(f"at {where}: the leader {self._leader} is lost")
+        return self.store.get(key)
+
+    def _written(self, key: str) -> bool:
+        """Whether ``key`` is written within ``leader_wait_s`` (a store gone raises)."""
+        try:
+            self.store.wait([key], timedelta(seconds=self.leader_wait_s))
+        except dist.DistNetworkError:
+            raise
+        except dist.DistStoreError:  # a timeout
+            return False
+        return True
 
     def _lost(self, pod: str, now: float) -> bool:
         """Whether ``pod`` is lost: its connection to the rendezvous ended (``gone``), it said
@@ -468,24 +472,21 @@ class ControlledGenerations:
         # The leader may wait fault_wait_s for members, then plan: wait past that.
         deadline = time.monotonic() + self.fault_wait_s + 60
         while True:
-            decider = (self.store.get(claim).decode() if self.store.check([claim])
-                       else self._leader)
+            claimed = self.store.check([claim])
+            decider = self.store.get(claim).decode() if claimed else self._leader
             if decider == self.me or self._lost(decider, time.monotonic()):
-                expected = decider if self.store.check([claim]) else ""
+                expected = decider if claimed else ""
                 if self.store.compare_set(claim, expected, self.me).decode() == self.me:
                     if self._leader != self.me:
                         self._take_lead(decider)
                     decision = self._recovery(trained, step, fault, error)
                     self.store.set(decided, json.dumps(decision))
                     return decision
-            try:
-                self.store.wait([decided], timedelta(seconds=self.leader_wait_s))
+            if self._written(decided):
                 return json.loads(self.store.get(decided))
-            except dist.DistNetworkError:
-                raise
-            except dist.DistStoreError:  # not decided yet (a timeout)
-                if time.monotonic() > deadline:
-                    raise
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"no decision on {fault} within "
+                                          f"{self.fault_wait_s + 60:.0f} s")
 
     def rescue(self, me: str, trained: Generation,
                held: dict[str, Any] | None) -> tuple[Generation, Cut, dist.Store] | None:
