@@ -1,5 +1,11 @@
 # Everything a fresh clone needs, from a machine with only Python 3.11 and pip.
 PYTHON ?= python3
+# Bytecode is written as a module is first imported, and only then: the set-up compiles
+# nothing (compiling all of .venv took two to three minutes on 2 cores, most of it for modules
+# no test imports), and a process that imports torch's compiler without bytecode spends 20 s
+# more than one with it. So PYTHONDONTWRITEBYTECODE, where the environment sets it, is not
+# passed on; __pycache__ is ignored by git.
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -16,9 +22,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
-	@# Byte-compiled on every core: pip compiles one file at a time (a minute more on 2 cores).
-	@# A file for a newer Python fails to compile here as under pip, and is left as it is.
-	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	$(BIN)/pip check
 	$(BIN)/python -m tidal_local.binaries
 	@$(MAKE) --no-print-directory prometheus

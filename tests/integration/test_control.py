@@ -633,7 +633,9 @@ def test_agents_grow_and_shrink_on_targets_bitwise_as_a_static_run(emulator, api
     assert final["tokensPerSecond"] > 0 and final["stepSeconds"] > 0
     assert final["predictedStepSeconds"] > 0 and final["lastSwitchSeconds"] > 0
     table = ScaleTable.model_validate(final["scaleTable"])
-    assert [r.workers for r in table.rows] + [d.workers for d in table.dropped] == [2, 3, 4]
+    # Which counts are worth running depends on the measured step times (a busy core drops one
+    # that measured slower than fewer workers): every count is one or the other.
+    assert sorted([r.workers for r in table.rows] + [d.workers for d in table.dropped]) == [2, 3, 4]
     # The table and the prediction come from the running job's own profile (issue 26): each
     # generation long enough profiles its first steps, the leader plans again from it.
     assert {r.predictor for r in table.rows} == {"profiled"}
