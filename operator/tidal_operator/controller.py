@@ -358,9 +358,7 @@ class Controller:
                 SCALING, "True", decision.reason, line, now, view.generation))))
         self.written.targets[view.key] = generation
         for name in join:
-            await self.adapter.create(builders.worker_pod(
-                job, uid=view.uid, index=builders.worker_index(name), generation=generation,
-                settings=self.config.worker))
+            await self.lifecycle.create_worker(view, target, name)
         self.metrics.decided(view.namespace, view.name, decision.kind)
         await self.adapter.event(dict(view.body), reason="ScaleUp" if up else "ScaleDown",
                                  message=f"{decision.reason}: {line}", now=now)

@@ -21,12 +21,15 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
 from tests.integration.test_operator import (  # noqa: F401 - the cluster fixture
+    ETJ,
     NS,
     Leader,
     cluster,
     events_of,
     grown,
+    job_manifest,
     pods_of,
+    table,
     wait_for,
 )
 from tidal_kube.localcluster import queue_crds
@@ -205,3 +208,47 @@ def test_the_api_server_holds_a_gated_pod_until_its_last_gate_is_removed(cluster
     api.patch(Pod, "held", {"spec": {"schedulingGates": []}}, namespace=NS,
               patch_type=PatchType.MERGE)
     wait_for("the pod bound once its last gate is gone", lambda: node_of(api, "held"))
+
+
+def test_an_elastic_job_queues_its_minimum_and_lends_the_rest(cluster):
+    """spec.queueName: the minimum is a Kueue pod group held until Kueue admits it; the
+    workers above it take idle GPUs at once, as tidal-elastic, and are the first to go."""
+    api, _, _ = cluster
+    leader = Leader(api, "queued")
+    api.create(ETJ(job_manifest("queued", workers={"min": 2, "max": 4},
+                                queueName="user-queue")))
+    first = wait_for("two worker pods", lambda: len(pods_of(api, "queued")) == 2 and [
+        api.get(Pod, name, namespace=NS) for name in pods_of(api, "queued")])
+    groups = {pod.metadata.labels["kueue.x-k8s.io/pod-group-name"] for pod in first}
+    assert len(groups) == 1
+    for pod in first:
+        assert pod.metadata.labels["kueue.x-k8s.io/queue-name"] == "user-queue"
+        assert pod.metadata.annotations["kueue.x-k8s.io/pod-group-total-count"] == "2"
+        assert [g.name for g in pod.spec.schedulingGates] == [GATE]
+        assert pod.spec.priorityClassName is None and pod.spec.priority == 0
+    leader_pod = api.get(Pod, "queued-worker-0", namespace=NS)
+    assert {c.type: c.reason for c in leader_pod.status.conditions}["PodScheduled"] == (
+        "SchedulingGated")
+
+    # Kueue admits the group: it ungates its pods, which then run.
+    for pod in first:
+        api.patch(Pod, pod.metadata.name, [{"op": "remove", "path": "/spec/schedulingGates"}],
+                  namespace=NS, patch_type=PatchType.JSON)
+    leader.apply()
+    leader.publish(scaleTable=table("queued", TABLE))
+    wait_for("a scale-up target", lambda: leader.status()["target"]["generation"] == 1)
+    target = leader.apply()  # its joiners run without any admission
+    extra = [api.get(Pod, name, namespace=NS) for name in target["join"]]
+    assert [p.metadata.name for p in extra] == ["queued-worker-2", "queued-worker-3"]
+    for pod in extra:
+        assert not [k for k in pod.metadata.labels if k.startswith("kueue.x-k8s.io")]
+        assert not pod.spec.schedulingGates
+        assert pod.spec.priorityClassName == "tidal-elastic"
+
+    # A batch pod waits for 2 GPUs: the workers above the minimum go, the queued ones stay.
+    api.create(batch_pod("batch", 2))
+    wait_for("a scale-down target", lambda: leader.status()["target"]["generation"] == 2)
+    assert sorted(leader.status()["target"]["release"]) == ["queued-worker-2",
+                                                            "queued-worker-3"]
+    leader.apply()
+    wait_for("the batch pod bound", lambda: node_of(api, "batch"))

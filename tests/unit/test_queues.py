@@ -3,15 +3,19 @@ the pending pods decide() makes room for, each counted once."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import kopf
 import pytest
+import yaml
 
 from tests.unit.test_policy import NOW, cluster, job
-from tidal_operator import handlers
+from tidal_api import Target, keys, parse_job
+from tidal_operator import builders, handlers
 from tidal_operator.adapter import rfc3339
 from tidal_operator.controller import Config, Controller
 from tidal_operator.metrics import Metrics
-from tidal_operator.policy import decide
+from tidal_operator.policy import BELOW_MINIMUM, IDLE_GPUS, STARTED, decide
 from tidal_operator.queues import (
     KUEUE_ADMISSION_GATE,
     PODGROUPS,
@@ -25,6 +29,7 @@ from tidal_operator.queues import (
 )
 from tidal_operator.snapshot import ANYWHERE, Placement, Pod, parse_time, pod_view
 
+ROOT = Path(__file__).resolve().parents[2]
 GPU = "nvidia.com/gpu"
 CREATED = "2026-01-02T03:04:05Z"
 
@@ -210,3 +215,82 @@ def test_only_the_sources_that_are_on_are_watched(kueue, volcano, watched):
                 ("scheduling.volcano.sh", "podgroups") if r == PODGROUPS else (None, "pods")
                 for r in watched}
     assert found == expected
+
+
+# ---- an elastic job that queues through Kueue (item 2) -------------------------------------------
+
+
+@pytest.fixture
+def queued_job():
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["metadata"]["namespace"] = "team-a"
+    doc["spec"]["workers"] = {"min": 2, "max": 6, "preferred": 3}
+    doc["spec"].update(queueName="team-a-queue", priorityClassName="research")
+    return parse_job(doc)
+
+
+def test_the_minimum_is_a_kueue_pod_group_and_the_rest_run_as_tidal_elastic(queued_job):
+    group = builders.pod_group("tiny", "0123456789", 1)
+    member = builders.worker_pod(queued_job, uid="0123456789", index=0, generation=0,
+                                 group=group)
+    meta, spec = member["metadata"], member["spec"]
+    assert group == "tiny-r1-01234"
+    assert {k: v for k, v in meta["labels"].items() if k.startswith("kueue")} == {
+        "kueue.x-k8s.io/queue-name": "team-a-queue", "kueue.x-k8s.io/pod-group-name": group}
+    assert meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+    assert spec["schedulingGates"] == [{"name": KUEUE_ADMISSION_GATE}]
+    assert spec["priorityClassName"] == "research"
+    default = queued_job.model_copy(update={"spec": queued_job.spec.model_copy(
+        update={"priority_class_name": None})})
+    assert "priorityClassName" not in builders.worker_pod(default, uid="u", index=0,
+                                                          generation=0, group=group)["spec"]
+    extra = builders.worker_pod(queued_job, uid="u", index=2, generation=0)
+    assert not any(k.startswith("kueue") for k in extra["metadata"]["labels"])
+    assert not any(k.startswith("kueue") for k in extra["metadata"]["annotations"])
+    assert "schedulingGates" not in extra["spec"]
+    assert extra["spec"]["priorityClassName"] == keys.ELASTIC_PRIORITY_CLASS
+    long = builders.pod_group("x" * 60, "0123456789", 12)
+    assert len(long) == 63 and long.endswith("-r12-01234")
+
+
+def test_the_queue_admits_the_first_minimum_and_every_replacement_only(queued_job):
+    join = ("tiny-worker-0", "tiny-worker-1", "tiny-worker-2")
+    start = Target(workers=3, generation=0, reason=STARTED, join=join)
+    assert [builders.queued_joiner(queued_job, start, n) for n in join] == [True, True, False]
+    grow = Target(workers=5, generation=1, reason=IDLE_GPUS, join=("tiny-worker-3",))
+    assert not builders.queued_joiner(queued_job, grow, "tiny-worker-3")
+    restore = Target(workers=2, generation=2, reason=BELOW_MINIMUM, join=("tiny-worker-4",))
+    assert builders.queued_joiner(queued_job, restore, "tiny-worker-4")
+    assert not builders.queued_joiner(queued_job, restore, "tiny-worker-1")  # not a joiner
+    unqueued = parse_job(yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text()))
+    assert not any(builders.queued_joiner(unqueued, start, n) for n in join)
+
+
+def test_the_kueue_example_is_a_queue_that_admits_its_jobs_minimum():
+    """examples/kueue.yaml, as Kueue would read it: the job's LocalQueue leads to a
+    ClusterQueue whose flavors exist and which covers every resource a worker asks for, with
+    GPUs for the minimum; the job's PriorityClass is there too."""
+    docs = list(yaml.safe_load_all((ROOT / "examples" / "kueue.yaml").read_text()))
+    by_kind: dict[str, dict[str, dict]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], {})[doc["metadata"]["name"]] = doc
+    assert {d["apiVersion"] for d in docs if d["kind"] not in ("PriorityClass",
+                                                                "ElasticTrainingJob")} == {
+        "kueue.x-k8s.io/v1beta2"}
+    [etj] = by_kind["ElasticTrainingJob"].values()
+    job = parse_job(etj)
+    queue = by_kind["LocalQueue"][job.spec.queue_name]
+    assert queue["metadata"]["namespace"] == job.metadata.namespace
+    cluster_queue = by_kind["ClusterQueue"][queue["spec"]["clusterQueue"]]
+    assert cluster_queue["spec"]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": job.metadata.namespace}
+    assert job.spec.priority_class_name in by_kind["PriorityClass"]
+    member = builders.worker_pod(job, uid="u", index=0, generation=0, group="g")
+    asked = {name for c in member["spec"]["containers"] for kind in ("requests", "limits")
+             for name in c["resources"].get(kind, {})}
+    [group] = cluster_queue["spec"]["resourceGroups"]
+    assert asked <= set(group["coveredResources"]), "Kueue refuses a resource not covered"
+    for flavor in group["flavors"]:
+        assert flavor["name"] in by_kind["ResourceFlavor"]
+        quota = {r["name"]: r["nominalQuota"] for r in flavor["resources"]}
+        assert quota[GPU] >= job.spec.workers.min * job.spec.gpus_per_worker
