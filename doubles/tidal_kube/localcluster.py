@@ -1,7 +1,8 @@
 """A local cluster behind the API emulator: Ready GPU nodes (:func:`node_manifests`,
 :func:`register_nodes`, :func:`create_nodes`) and :func:`run`, the scheduler
-(:mod:`tidal_kube.scheduler`) and the kubelet (:mod:`tidal_kube.kubelet`) stepping together.
-This is the cluster behind the operator's tests and the one-machine cluster.
+(:mod:`tidal_kube.scheduler`) and the kubelet (:mod:`tidal_kube.kubelet`) stepping together;
+:func:`queue_crds` for a cluster that runs Kueue or Volcano. This is the cluster behind the
+operator's tests and the one-machine cluster.
 
 ``await run(url)`` runs both until cancelled; from synchronous code,
 ``EmulatorThread.submit(run(url))`` returns a future whose ``cancel()`` stops it.
