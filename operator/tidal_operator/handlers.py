@@ -91,6 +91,9 @@ QUEUE_INDEXES = {
     "kueue": ((WORKLOADS, kueue_workloads),),
     "volcano": ((PODGROUPS, volcano_podgroups), ("pods", volcano_members)),
 }
+# Controller fields <- the indexes of queued demand that feed them.
+QUEUED = {"workloads": kueue_workloads.__name__, "podgroups": volcano_podgroups.__name__,
+          "members": volcano_members.__name__}
 
 
 def watch_queues(config: Config, registry: kopf.OperatorRegistry | None = None) -> None:
@@ -107,11 +110,6 @@ def watch_queues(config: Config, registry: kopf.OperatorRegistry | None = None) 
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """In a pod, the service account; elsewhere $KUBECONFIG (no client library needed)."""
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-
-
-# Controller fields <- the indexes of queued demand that feed them.
-QUEUED = {"workloads": kueue_workloads.__name__, "podgroups": volcano_podgroups.__name__,
-          "members": volcano_members.__name__}
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
