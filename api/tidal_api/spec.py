@@ -434,8 +434,17 @@ class TemplateSpec(Spec):
     )
 
 
+# A Kubernetes object name (DNS subdomain): a LocalQueue's, a PriorityClass's.
+_OBJECT_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_PRIORITY_NEEDS_QUEUE = ("priorityClassName is the class of the workers a queue admits: set "
+                         "queueName too (the workers above the minimum run as tidal-elastic)")
+
+
 class JobSpec(Spec):
     """spec of an ElasticTrainingJob: what to train, on how many workers, under which policy."""
+
+    model_config = cel("!has(self.priorityClassName) || has(self.queueName)",
+                       _PRIORITY_NEEDS_QUEUE)
 
     workers: WorkersSpec = Field(description="Worker pod range; the job starts at min.")
     gpus_per_worker: int = Field(1, ge=1, description="GPUs (ranks) per worker pod.")
@@ -470,6 +479,25 @@ class JobSpec(Spec):
     template: TemplateSpec = Field(
         default_factory=TemplateSpec, description="Overrides for the worker pods."
     )
+    queue_name: str | None = Field(
+        None, max_length=253, pattern=_OBJECT_NAME, description="A Kueue LocalQueue in the "
+        "job's namespace: the job's minimum workers are a Kueue pod group admitted through it "
+        "(labelled kueue.x-k8s.io/queue-name and pod-group-name, held by the "
+        "kueue.x-k8s.io/admission gate until Kueue admits them), as every job in the queue. "
+        "The workers above the minimum are not queued: they run on idle GPUs only, as "
+        "tidal-elastic, and are the first to go. Unset: no worker is queued."
+    )
+    priority_class_name: str | None = Field(
+        None, max_length=253, pattern=_OBJECT_NAME, description="The PriorityClass of the "
+        "workers the queue admits (needs queueName): Kueue orders and preempts the job's pod "
+        "group by it, as any pod group's. Unset: the cluster's default priority."
+    )
+
+    @model_validator(mode="after")
+    def _priority_needs_queue(self) -> JobSpec:
+        if self.priority_class_name is not None and self.queue_name is None:
+            raise ValueError(_PRIORITY_NEEDS_QUEUE)
+        return self
 
     def contradiction(self) -> str | None:
         """What makes this schema-valid spec impossible to run, in one line; None if nothing.

@@ -1,8 +1,10 @@
 """Admission as in a default cluster: the defaults and checks the API server applies to an object
 about to be stored, per kind. A pod needs its ServiceAccount and PriorityClass (and gets
-``spec.priority`` from it), its requests default to limits and its spec is immutable; a Service
-gets a cluster IP; a custom resource is pruned, defaulted and validated with its CRD's
-structural schema (:mod:`tidal_kube.structural`); a CRD gets its status."""
+``spec.priority`` from it), its requests default to limits, its spec is immutable (but its
+scheduling gates may be removed) and one created with scheduling gates is PodScheduled=False,
+SchedulingGated; a Service gets a cluster IP; a custom resource is pruned, defaulted and
+validated with its CRD's structural schema (:mod:`tidal_kube.structural`); a CRD gets its
+status."""
 
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ class Admission:
                     spec.setdefault(field, old["spec"][field])
             return pod_update_errors(old, pod)
         pod["status"] = {"phase": "Pending", "qosClass": _qos_class(spec)}
+        if spec.get("schedulingGates"):
+            pod["status"]["conditions"] = [_scheduling_gated()]
         self._check_service_account(pod)
         self._set_priority(pod)
         return pod_errors(spec)
@@ -133,6 +137,14 @@ def _qos_class(spec: Obj) -> str:
     guaranteed = all(limits.get(kind) is not None and limits.get(kind) == requests.get(kind)
                      for limits, requests in resources for kind in ("cpu", "memory"))
     return "Guaranteed" if guaranteed else "Burstable"
+
+
+def _scheduling_gated() -> Obj:
+    """The condition the API server gives a pod created with scheduling gates: the scheduler
+    leaves it alone until the last gate is removed."""
+    return {"type": "PodScheduled", "status": "False", "reason": "SchedulingGated",
+            "message": "Scheduling is blocked due to non-empty scheduling gates",
+            "lastProbeTime": None, "lastTransitionTime": now_rfc3339()}
 
 
 def _crd_status(crd: Obj) -> Obj:

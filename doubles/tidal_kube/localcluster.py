@@ -1,7 +1,8 @@
 """A local cluster behind the API emulator: Ready GPU nodes (:func:`node_manifests`,
 :func:`register_nodes`, :func:`create_nodes`) and :func:`run`, the scheduler
-(:mod:`tidal_kube.scheduler`) and the kubelet (:mod:`tidal_kube.kubelet`) stepping together.
-This is the cluster behind the operator's tests and the one-machine cluster.
+(:mod:`tidal_kube.scheduler`) and the kubelet (:mod:`tidal_kube.kubelet`) stepping together;
+:func:`queue_crds` for a cluster that runs Kueue or Volcano. This is the cluster behind the
+operator's tests and the one-machine cluster.
 
 ``await run(url)`` runs both until cancelled; from synchronous code,
 ``EmulatorThread.submit(run(url))`` returns a future whose ``cancel()`` stops it.
@@ -13,6 +14,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 
@@ -20,8 +22,19 @@ from tidal_kube.clusterapi import GPU, ClusterApi
 from tidal_kube.kubelet import Kubelet, PodRuntime
 from tidal_kube.resources import Obj, now_rfc3339
 from tidal_kube.scheduler import Scheduler
+from tidal_kube.serving import load_manifests
 
-__all__ = ["create_nodes", "node_manifests", "register_nodes", "run"]
+__all__ = ["create_nodes", "node_manifests", "queue_crds", "register_nodes", "run"]
+
+# Kueue's Workload and Volcano's PodGroup CRDs, trimmed to what Tidal reads (see each file).
+QUEUE_CRDS = {"kueue": Path(__file__).with_name("crds") / "workloads.kueue.x-k8s.io.yaml",
+              "volcano": Path(__file__).with_name("crds") / "podgroups.scheduling.volcano.sh.yaml"}
+
+
+def queue_crds(*sources: str) -> list[Obj]:
+    """The CRDs of the batch queues named (``kueue``, ``volcano``), for a cluster that runs
+    them: the operator counts the jobs waiting there as demand."""
+    return list(load_manifests(QUEUE_CRDS[source] for source in sources))
 
 
 def node_manifests(count: int, gpus_per_node: int, resource: str = GPU,

@@ -1,7 +1,8 @@
 """The local scheduler: binds pending pods to nodes by GPUs, and says why a pod fits nowhere as
 kube-scheduler says it.
 
-- Each pending pod (no ``spec.nodeName``, this scheduler's name) is bound through
+- Each pending pod (no ``spec.nodeName``, this scheduler's name, no scheduling gate left: as
+  kube-scheduler's SchedulingGates plugin, a gated pod waits outside the queue) is bound through
   ``pods/binding`` to the first node, by name, that passes the filters, in kube-scheduler's
   queue order (higher priority first, then oldest).
 - The filters run in the order of kube-scheduler's default plugins, and the first to refuse a
@@ -70,6 +71,7 @@ class Scheduler:
             if node in free and pod.get("status", {}).get("phase") not in FINISHED:
                 free[node] -= gpu_request(pod, self.resource)
         pending = [p for p in pods if not p["spec"].get("nodeName")
+                   and not p["spec"].get("schedulingGates")
                    and p["spec"].get("schedulerName", SCHEDULER_NAME) == self.name
                    and p.get("status", {}).get("phase", "Pending") == "Pending"
                    and not p["metadata"].get("deletionTimestamp")]

@@ -130,8 +130,8 @@ def _container_errors(where: str, container: Any) -> list[str]:
 
 
 def pod_update_errors(old: Obj, new: Obj) -> list[str]:
-    """A pod's spec is immutable but for images, activeDeadlineSeconds and added tolerations;
-    spec.nodeName is set through pods/binding only."""
+    """A pod's spec is immutable but for images, activeDeadlineSeconds, added tolerations and
+    removed scheduling gates; spec.nodeName is set through pods/binding only."""
     def mutable_removed(spec: Obj) -> Obj:
         spec = copy.deepcopy(spec)
         for field in ("activeDeadlineSeconds", "tolerations", "schedulingGates"):
@@ -140,6 +140,12 @@ def pod_update_errors(old: Obj, new: Obj) -> list[str]:
             container.pop("image", None)
         return spec
 
+    old_gates = {g.get("name") for g in (old.get("spec") or {}).get("schedulingGates") or ()}
+    added = [g.get("name") for g in (new.get("spec") or {}).get("schedulingGates") or ()
+             if g.get("name") not in old_gates]
+    if added:
+        return [f"spec.schedulingGates: Forbidden: only deletion is allowed, but found new "
+                f"scheduling gate '{added[0]}'"]
     if mutable_removed(new.get("spec") or {}) == mutable_removed(old.get("spec") or {}):
         return []
     return ["spec: Forbidden: pod updates may not change fields other than "

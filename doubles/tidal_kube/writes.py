@@ -118,7 +118,8 @@ class Writes:
         return 200, self._update(resource, current, result, sub, dry)
 
     def bind(self, resource: Resource, ns: str | None, name: str, binding: Obj) -> Obj:
-        """``pods/binding``, what a scheduler posts: sets spec.nodeName once, and PodScheduled."""
+        """``pods/binding``, what a scheduler posts: sets spec.nodeName once, and PodScheduled;
+        never for a pod that a scheduling gate still holds."""
         pod = self.storage.current(resource, ns, name)
         node = (binding.get("target") or {}).get("name")
         if not node:
@@ -129,6 +130,9 @@ class Writes:
                             f'"{pod["spec"]["nodeName"]}"')
         if pod["metadata"].get("deletionTimestamp"):
             raise api_error(409, "Conflict", f"{failed}pod {name} is being deleted")
+        if pod["spec"].get("schedulingGates"):
+            raise api_error(409, "Conflict", f"{failed}pod {name} has non-empty "
+                            ".spec.schedulingGates")
         bound = copy.deepcopy(pod)
         bound["spec"]["nodeName"] = node
         status = bound.setdefault("status", {})

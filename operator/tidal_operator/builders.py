@@ -14,7 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tidal_api import API_VERSION, KIND, ElasticTrainingJob, keys
+from tidal_api import API_VERSION, KIND, ElasticTrainingJob, Target, keys
+from tidal_operator.policy import BELOW_MINIMUM, STARTED
+from tidal_operator.queues import (
+    KUEUE_ADMISSION_GATE,
+    KUEUE_POD_GROUP_COUNT,
+    KUEUE_POD_GROUP_LABEL,
+    KUEUE_QUEUE_LABEL,
+)
 
 WORKER_SERVICE_ACCOUNT = "tidal-worker"
 AGENT_CONTAINER = "agent"
@@ -52,6 +59,25 @@ def rendezvous_host(name: str, namespace: str) -> str:
     return f"{rendezvous_name(name)}.{name}.{namespace}.svc"
 
 
+def pod_group(name: str, uid: str, restarts: int) -> str:
+    """The Kueue pod group of a job's queued workers (a label value: 63 characters at most).
+    One per start of the job object: a restart's pods form a new group (and Workload), never
+    joining the Workload of the pods before, which Kueue may not have let go yet."""
+    suffix = f"-r{restarts}-{uid[:5]}"
+    return name[: 63 - len(suffix)] + suffix
+
+
+def queued_joiner(job: ElasticTrainingJob, target: Target, name: str) -> bool:
+    """Whether joiner ``name`` of ``target`` is one of the job's minimum, which its Kueue queue
+    admits (``spec.queueName``): the first ``workers.min`` of a start, and every worker that
+    restores a job below its minimum. The workers of a scale-up into idle GPUs never are."""
+    if job.spec.queue_name is None or name not in target.join:
+        return False
+    if target.reason == STARTED:
+        return target.join.index(name) < job.spec.workers.min
+    return target.reason == BELOW_MINIMUM
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerSettings:
     """What the operator's own flags put in every worker pod."""
@@ -62,9 +88,11 @@ class WorkerSettings:
 
 def worker_pod(
     job: ElasticTrainingJob, *, uid: str, index: int, generation: int,
-    settings: WorkerSettings = WorkerSettings(),
+    settings: WorkerSettings = WorkerSettings(), group: str | None = None,
 ) -> dict[str, Any]:
-    """The pod of worker ``index``, created for ``generation``."""
+    """The pod of worker ``index``, created for ``generation``; with ``group``, one of the
+    job's minimum that its Kueue queue admits as that pod group (:func:`queued`), else a
+    worker on idle GPUs at the elastic workers' low priority."""
     name, namespace = job.metadata.name, job.metadata.namespace or "default"
     spec = job.spec
     template = spec.template
@@ -120,7 +148,28 @@ def worker_pod(
         keys.GENERATION_LABEL: str(generation),
         keys.ELASTIC_LABEL: "true",
     }
-    return _pod(job, uid, pod_name, labels, pod_spec, annotations=dict(template.annotations))
+    annotations = dict(template.annotations)
+    if group is not None:
+        queued(job, group, labels, annotations, pod_spec)
+    return _pod(job, uid, pod_name, labels, pod_spec, annotations=annotations)
+
+
+def queued(job: ElasticTrainingJob, group: str, labels: dict[str, str],
+           annotations: dict[str, str], pod_spec: dict[str, Any]) -> None:
+    """Make a worker pod one of the Kueue pod group ``group`` of the job's minimum, as Kueue's
+    plain-pod integration expects of a group: the queue and group labels and the group's size
+    on every member, and the admission gate (Kueue's webhook adds it too, where it manages the
+    namespace; the operator adds it so that no member can start before Kueue admits the group
+    wherever it runs). Kueue orders the group by the pods' PriorityClass:
+    ``spec.priorityClassName``, else the cluster's default."""
+    labels[KUEUE_QUEUE_LABEL] = str(job.spec.queue_name)
+    labels[KUEUE_POD_GROUP_LABEL] = group
+    annotations[KUEUE_POD_GROUP_COUNT] = str(job.spec.workers.min)
+    pod_spec["schedulingGates"] = [{"name": KUEUE_ADMISSION_GATE}]
+    if job.spec.priority_class_name is None:
+        del pod_spec["priorityClassName"]
+    else:
+        pod_spec["priorityClassName"] = job.spec.priority_class_name
 
 
 def rendezvous_pod(job: ElasticTrainingJob, *, uid: str) -> dict[str, Any]:

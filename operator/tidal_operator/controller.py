@@ -31,6 +31,7 @@ from tidal_operator.adapter import Adapter, ApiUnavailable, rfc3339
 from tidal_operator.lifecycle import Lifecycle, condition
 from tidal_operator.metrics import Metrics
 from tidal_operator.policy import Decision, decide
+from tidal_operator.queues import SOURCES, PodGroup, podgroup_demand, source_of
 from tidal_operator.snapshot import (
     FINISHED_PHASES,
     ElasticJob,
@@ -55,6 +56,9 @@ class Config:
     gpu_resource: str = "nvidia.com/gpu"
     interval_s: float = 2.0
     worker_lost_after_s: float = 5.0  # set in every worker pod (builders.WorkerSettings)
+    # Demand from batch queues, where their CRDs exist (tidal_operator.queues)
+    kueue: bool = True
+    volcano: bool = True
 
     @property
     def worker(self) -> builders.WorkerSettings:
@@ -79,6 +83,11 @@ class Controller:
     nodes: Mapping[str, Iterable[Node]] = field(default_factory=dict)
     pods: Mapping[str, Iterable[Pod]] = field(default_factory=dict)
     jobs: Mapping[str, Iterable[Mapping[str, Any]]] = field(default_factory=dict)
+    # queued demand (tidal_operator.queues): Kueue Workloads waiting, as their pending pods;
+    # Volcano PodGroups waiting, and every PodGroup's pods by the group's "ns/name"
+    workloads: Mapping[str, Iterable[tuple[Pod, ...]]] = field(default_factory=dict)
+    podgroups: Mapping[str, Iterable[PodGroup]] = field(default_factory=dict)
+    members: Mapping[str, Iterable[Pod]] = field(default_factory=dict)
     clock: Callable[[], float] = time.time  # epoch seconds: the rounds' ``now``
     written: Written = field(default_factory=Written)
     lifecycle: Lifecycle = field(init=False)
@@ -169,9 +178,20 @@ class Controller:
         self._see_arrivals(views, pods, now - window)
         jobs = tuple(self._elastic_job(v) for v in views.values())
         arrivals = sorted(self._arrivals.values())
-        return Snapshot(nodes=nodes, pods=pods, jobs=jobs,
+        return Snapshot(nodes=nodes, pods=pods + self.queued(), jobs=jobs,
                         arrivals=tuple(t for t, _ in arrivals), window_seconds=window,
                         arrival_gpus=tuple(g for _, g in arrivals))
+
+    def queued(self) -> tuple[Pod, ...]:
+        """The pending pods of the jobs that wait in a batch queue (see
+        :mod:`tidal_operator.queues`). They are demand, not arrivals: a queued job's pods
+        arrive once they are created."""
+        pods = [pod for store in self.workloads.values() for demand in store for pod in demand]
+        for key, store in self.podgroups.items():
+            group = _one(store)
+            if group is not None:
+                pods += podgroup_demand(group, self.members.get(key, ()))
+        return tuple(pods)
 
     def _see_arrivals(self, views: Mapping[str, JobView], pods: Iterable[Pod],
                       since: float) -> None:
@@ -255,10 +275,16 @@ class Controller:
         held = sum(p.gpus for p in snapshot.pods if p.node and not p.finished)
         pending = [p for p in snapshot.pods if p.job is None and p.gpus and p.node is None
                    and not p.finished]
+        queued = dict.fromkeys(SOURCES, 0)
+        for pod in pending:
+            if (source := source_of(pod)) is not None:
+                queued[source] += pod.gpus
         m.gpus.set(total)
         m.idle_gpus.set(max(total - held, 0))
-        m.pending_pods.set(len(pending))
+        m.pending_pods.set(sum(source_of(p) is None for p in pending))
         m.pending_gpu_demand.set(sum(p.gpus for p in pending))
+        for source, gpus in queued.items():
+            m.queued_gpu_demand.labels(source=source).set(gpus)
         recent = [t for t in snapshot.arrivals if t >= now - snapshot.window_seconds]
         m.arrival_rate.set(len(recent) / snapshot.window_seconds * 3600.0)
 
@@ -332,9 +358,7 @@ class Controller:
                 SCALING, "True", decision.reason, line, now, view.generation))))
         self.written.targets[view.key] = generation
         for name in join:
-            await self.adapter.create(builders.worker_pod(
-                job, uid=view.uid, index=builders.worker_index(name), generation=generation,
-                settings=self.config.worker))
+            await self.lifecycle.create_worker(view, target, name)
         self.metrics.decided(view.namespace, view.name, decision.kind)
         await self.adapter.event(dict(view.body), reason="ScaleUp" if up else "ScaleDown",
                                  message=f"{decision.reason}: {line}", now=now)

@@ -18,7 +18,15 @@ from tidal_api import GROUP, VERSION
 from tidal_operator.adapter import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, Adapter, ApiUnavailable
 from tidal_operator.controller import Config, Controller
 from tidal_operator.metrics import Metrics
-from tidal_operator.snapshot import Node, gpus_of, node_of, pod_view
+from tidal_operator.queues import (
+    PODGROUPS,
+    WORKLOADS,
+    PodGroup,
+    podgroup_of,
+    podgroup_view,
+    workload_demand,
+)
+from tidal_operator.snapshot import Node, Pod, gpus_of, node_of, pod_view
 
 ETJ = (GROUP, VERSION, "elastictrainingjobs")
 # The API server ends each watch after this (kopf then watches again from where it stopped);
@@ -57,6 +65,47 @@ def elastic_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[s
     return {f"{namespace}/{name}": dict(body)}
 
 
+# ---- queued demand: registered by watch_queues, for the sources that are on --------------------
+
+
+def kueue_workloads(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, tuple[Pod, ...]]:
+    """Kueue Workloads that wait for admission, as their pending pods."""
+    demand = workload_demand(body, memo.config.gpu_resource)
+    meta = body["metadata"]
+    return {f"{meta.get('namespace', 'default')}/{meta['name']}": demand} if demand else {}
+
+
+def volcano_podgroups(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, PodGroup]:
+    """Volcano PodGroups Pending or Inqueue."""
+    group = podgroup_view(body, memo.config.gpu_resource)
+    return {group.key: group} if group is not None else {}
+
+
+def volcano_members(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, Pod]:
+    """The pods of each PodGroup, by the group's "ns/name" (many pods under one key)."""
+    group = podgroup_of(body)
+    return {group: pod_view(body, memo.config.gpu_resource)} if group is not None else {}
+
+
+QUEUE_INDEXES = {
+    "kueue": ((WORKLOADS, kueue_workloads),),
+    "volcano": ((PODGROUPS, volcano_podgroups), ("pods", volcano_members)),
+}
+# Controller fields <- the indexes of queued demand that feed them.
+QUEUED = {"workloads": kueue_workloads.__name__, "podgroups": volcano_podgroups.__name__,
+          "members": volcano_members.__name__}
+
+
+def watch_queues(config: Config, registry: kopf.OperatorRegistry | None = None) -> None:
+    """Index the queue sources that ``config`` turns on. kopf serves an index only where its
+    resource exists; it watches the CRDs and starts one when its CRD appears later. A source
+    that is off is not watched at all, so that the operator needs no access to it."""
+    for source, indexes in QUEUE_INDEXES.items():
+        if getattr(config, source):
+            for resource, index in indexes:
+                kopf.index(resource, registry=registry)(index)
+
+
 @kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """In a pod, the service account; elsewhere $KUBECONFIG (no client library needed)."""
@@ -78,14 +127,17 @@ def configure(settings: kopf.OperatorSettings) -> None:
 
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, gpu_nodes: kopf.Index,
-                cluster_pods: kopf.Index, elastic_jobs: kopf.Index, **_: Any) -> None:
+                cluster_pods: kopf.Index, elastic_jobs: kopf.Index, **kwargs: Any) -> None:
     configure(settings)
     metrics = Metrics()
     if memo.get("metrics_port") is not None:
         metrics.serve(memo.metrics_port)
     controller = Controller(adapter=Adapter(memo.get("kubeconfig")), metrics=metrics,
                             config=memo.config, nodes=gpu_nodes, pods=cluster_pods,
-                            jobs=elastic_jobs)
+                            jobs=elastic_jobs,
+                            # the queue indexes that watch_queues registered
+                            **{name: kwargs[index] for name, index in QUEUED.items()
+                               if index in kwargs})
     # Set before kopf starts watching: each object's memo is a shallow copy of this one.
     memo.controller = controller
     memo.stop = asyncio.Event()

@@ -38,7 +38,7 @@ from tidal_operator import builders
 from tidal_operator.adapter import Adapter, rfc3339
 from tidal_operator.metrics import Metrics
 from tidal_operator.snapshot import FINISHED_PHASES, Pod, parse_time
-from tidal_operator.policy import Decision
+from tidal_operator.policy import STARTED, Decision
 from tidal_operator.view import JobView, Written
 
 log = logging.getLogger(__name__)
@@ -106,11 +106,19 @@ class Lifecycle:
         if not applied and target.join:
             for name in target.join:
                 if name not in pods:
-                    await self.adapter.create(builders.worker_pod(
-                        job, uid=view.uid, index=builders.worker_index(name),
-                        generation=target.generation, settings=self.worker))
+                    await self.create_worker(view, target, name)
         await self._release(view, pods, applied, now)
         await self._report(view, pods, applied, now)
+
+    async def create_worker(self, view: JobView, target: Target, name: str) -> None:
+        """The pod of joiner ``name`` of ``target``: one of the job's minimum that its Kueue
+        queue admits, where :func:`~tidal_operator.builders.queued_joiner` says so."""
+        job = view.job
+        group = (builders.pod_group(view.name, view.uid, view.status.restarts)
+                 if builders.queued_joiner(job, target, name) else None)
+        await self.adapter.create(builders.worker_pod(
+            job, uid=view.uid, index=builders.worker_index(name), generation=target.generation,
+            settings=self.worker, group=group))
 
     async def _release(self, view: JobView, pods: Mapping[str, Pod], applied: bool,
                        now: float) -> None:
@@ -245,15 +253,14 @@ class Lifecycle:
         job = view.job
         count = start.to_workers if start is not None else job.spec.workers.start
         join = tuple(builders.worker_name(view.name, i) for i in range(count))
-        target = Target(workers=len(join), generation=0, reason="Initial", join=join,
+        target = Target(workers=len(join), generation=0, reason=STARTED, join=join,
                         issued_at=rfc3339(now))
         await self.adapter.patch_status(view.name, view.namespace, status_patch(
             phase="Pending", target=target, observed_generation=view.generation))
         self.written.started[view.key] = view.uid
         await self.adapter.create(builders.rendezvous_pod(job, uid=view.uid))
-        for i in range(len(join)):
-            await self.adapter.create(builders.worker_pod(job, uid=view.uid, index=i,
-                                                          generation=0, settings=self.worker))
+        for name in join:
+            await self.create_worker(view, target, name)
         why = f" ({start.message})" if start is not None else ""
         await self.adapter.event(dict(view.body), reason="Created", now=now,
                                  message=f"created {len(join)} worker pods: {', '.join(join)}"

@@ -26,28 +26,35 @@ from tidal_operator.controller import Config
               help="Set in every worker pod: tidal agent --lost-after, the seconds of "
                    "heartbeat silence after which a hung member counts as lost (a member that "
                    "dies is lost at once, from its ended connection).")
+@click.option("--kueue/--no-kueue", default=True, show_default=True,
+              help="Count Kueue Workloads waiting for admission as pending GPU demand (where "
+                   "the Workload CRD exists, now or later).")
+@click.option("--volcano/--no-volcano", default=True, show_default=True,
+              help="Count Volcano PodGroups Pending or Inqueue as pending GPU demand (where "
+                   "the PodGroup CRD exists, now or later).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port.")
 @click.option("--liveness", default=None, metavar="URL",
               help="kopf's health endpoint, e.g. http://0.0.0.0:8080/healthz.")
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging.")
 def main(kubeconfig: str | None, namespaces: tuple[str, ...], interval: float, gpu_resource: str,
-         worker_lost_after: float, metrics_port: int | None, liveness: str | None,
-         verbose: bool) -> None:
+         worker_lost_after: float, kueue: bool, volcano: bool, metrics_port: int | None,
+         liveness: str | None, verbose: bool) -> None:
     """Run the operator until interrupted (one replica: it runs standalone, without peering)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx2").setLevel(logging.DEBUG if verbose else logging.WARNING)
     if kubeconfig:
         os.environ["KUBECONFIG"] = os.path.abspath(kubeconfig)  # kopf's own login reads it
+    config = Config(gpu_resource=gpu_resource, interval_s=interval,
+                    worker_lost_after_s=worker_lost_after, kueue=kueue, volcano=volcano)
+    handlers.watch_queues(config)
     kopf.run(
         standalone=True,
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         liveness_endpoint=liveness,
-        memo=handlers.memo_for(Config(gpu_resource=gpu_resource, interval_s=interval,
-                                      worker_lost_after_s=worker_lost_after),
-                               kubeconfig=kubeconfig, metrics_port=metrics_port),
+        memo=handlers.memo_for(config, kubeconfig=kubeconfig, metrics_port=metrics_port),
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from tidal_operator.queues import SOURCES
+
 DECISION_KINDS = ("scale_up", "scale_down", "drain_deadline", "restart", "invalid")
 JOB_DECISION_KINDS = ("scale_up", "scale_down", "restart")
 
@@ -19,9 +21,19 @@ class Metrics:
         self.idle_gpus = Gauge("idle_gpus", "GPUs allocatable on nodes and held by no pod.", **common)
         self.gpus = Gauge("gpus", "GPUs allocatable on all nodes.", **common)
         self.pending_gpu_demand = Gauge(
-            "pending_gpu_demand", "GPUs requested by pending non-elastic pods.", **common
+            "pending_gpu_demand",
+            "GPUs requested by pending non-elastic pods and by jobs waiting in a batch queue.",
+            **common
         )
         self.pending_pods = Gauge("pending_gpu_pods", "Pending non-elastic GPU pods.", **common)
+        self.queued_gpu_demand = Gauge(
+            "queued_gpu_demand",
+            "GPUs requested by jobs waiting in a batch queue before their pods exist, by queue "
+            "(kueue: Workloads not admitted; volcano: PodGroups Pending or Inqueue).",
+            ["source"], **common
+        )
+        for source in SOURCES:
+            self.queued_gpu_demand.labels(source=source)
         self.arrival_rate = Gauge(
             "arrival_rate_per_hour",
             "Non-elastic GPU pod arrivals per hour, estimated over the arrival window.", **common

@@ -345,6 +345,28 @@ def compare(granted: set, used: set, who: str) -> None:
     assert not granted - used, f"{who} has rules nothing uses: {sorted(granted - used)}"
 
 
+def test_the_queue_sources_are_read_only_and_can_be_turned_off():
+    """On (the default): list and watch on exactly the Workload and PodGroup resources. Off:
+    neither rule, and the operator is told not to watch them."""
+    queues = {("kueue.x-k8s.io", "workloads"), ("scheduling.volcano.sh", "podgroups")}
+
+    def rules_and_args(*args: str) -> tuple[set, dict]:
+        objs = render(*args)
+        granted = grants(one(objs, "ClusterRole")["rules"])
+        container = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        params = operator_main.make_context("tidal-operator", list(container["args"])).params
+        return {g for g in granted if g[:2] in queues}, params
+
+    granted, params = rules_and_args()
+    assert granted == {(*q, verb) for q in queues for verb in ("list", "watch")}
+    assert params["kueue"] and params["volcano"]
+    granted, params = rules_and_args("-f", str(CHART / "ci" / "minimal-values.yaml"))
+    assert granted == set() and not params["kueue"] and not params["volcano"]
+    granted, params = rules_and_args("--set", "queues.volcano.enabled=false")
+    assert {g[0] for g in granted} == {"kueue.x-k8s.io"}
+    assert params["kueue"] and not params["volcano"]
+
+
 # ---- the Dockerfile ----------------------------------------------------------------------------
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -541,7 +563,8 @@ def test_helm_installs_on_the_emulator_and_kubectl_gets_what_it_created(installe
 @pytest.mark.timeout(240)
 def test_rbac_grants_exactly_what_the_operator_and_the_agent_use(installed, tmp_path):
     """The operator runs a job through creation, a scale-up and a drain-deadline scale-down
-    (its pods created and deleted, its Service, status and Events written); the agent's
+    (its pods created and deleted, its Service, status and Events written) in a cluster that
+    runs Kueue and Volcano (their demand read); the agent's
     control link reads the job, watches it, publishes status and posts an Event. Each runs as the
     ServiceAccount the chart made, told apart by its token."""
     from tidal_agent.link import ControlLink
@@ -552,6 +575,8 @@ def test_rbac_grants_exactly_what_the_operator_and_the_agent_use(installed, tmp_
     url = installed.url
     admin = Client(KubeConfig.from_file(installed.kubeconfig).get())
     localcluster.register_nodes(url, count=1, gpus_per_node=4)
+    for crd in localcluster.queue_crds("kueue", "volcano"):  # the queues' demand is read
+        installed.call(installed.emulator.create, crd)
     scheduler = installed.submit(localcluster.run(url, interval_s=0.1))
     log = (tmp_path / "operator.log").open("w")
     operator = subprocess.Popen(

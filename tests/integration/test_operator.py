@@ -276,9 +276,11 @@ def test_the_operator_scales_a_job_up_into_idle_gpus_and_down_for_a_pending_pod(
 
 
 def grown(api: Client, name: str, tokens_per_second: dict[int, float]) -> Leader:
-    """A job of 2 to 4 workers, applied at 2, then grown as far as its scale table says."""
+    """A job of the table's fewest to 4 workers, applied at 2, then grown as far as its scale
+    table says."""
     leader = Leader(api, name)
-    api.create(ETJ(job_manifest(name, workers={"min": 2, "max": 4})))
+    api.create(ETJ(job_manifest(name, workers={"min": min(tokens_per_second), "max": 4,
+                                               "preferred": 2})))
     wait_for("two worker pods", lambda: len(pods_of(api, name)) == 2)
     leader.apply()
     leader.publish(scaleTable=table(name, tokens_per_second))

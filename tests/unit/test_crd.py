@@ -137,7 +137,8 @@ def test_names_version_subresource_and_columns():
 # --- (b) the types and the schema agree, both ways ------------------------------------------
 
 _SCALAR_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
-_BOUND_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+_BOUND_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "maxLength",
+               "pattern")
 
 
 def _fields(model: type) -> dict[str, Any]:
@@ -193,6 +194,10 @@ def _check_field(field: Any, node: dict, where: str) -> None:
             expected["maximum"] = bound.le
         elif isinstance(bound, annotated_types.Lt):
             expected |= {"maximum": bound.lt, "exclusiveMaximum": True}
+        elif isinstance(bound, annotated_types.MaxLen):
+            expected["maxLength"] = bound.max_length
+        elif getattr(bound, "pattern", None) is not None:
+            expected["pattern"] = bound.pattern
         else:
             pytest.fail(f"{where}: no check for the constraint {bound!r}: teach this test")
     assert {k: node[k] for k in _BOUND_KEYS if k in node} == expected, where
@@ -425,6 +430,7 @@ CEL_REFUSALS = [
      huggingface.HF_SOURCE),
     ({"model": {"huggingface": {}}}, huggingface.HF_SOURCE),
     ({"parallelism": {"logicalReplicas": 6}}, spec_module._LOGICAL),
+    ({"priorityClassName": "high"}, spec_module._PRIORITY_NEEDS_QUEUE),
 ]
 
 
@@ -445,7 +451,7 @@ def test_every_cel_rule_has_a_refusal_case():
         stack += [node["items"]] if "items" in node else []
     broken = {rule for spec, _ in CEL_REFUSALS
               for rule, _ in _cel_failures(SCHEMA, _defaulted(SCHEMA, _doc(spec)))}
-    assert rules == broken and len(rules) == 9
+    assert rules == broken and len(rules) == 10
 
 
 @pytest.mark.parametrize(("spec", "where"), [
@@ -467,6 +473,8 @@ def test_every_cel_rule_has_a_refusal_case():
     ({"training": {"steps": 10_000_001}}, "spec.training.steps"),
     ({"model": {"seqLen": 2**20 + 1}}, "spec.model.seqLen"),
     ({"training": {"globalBatchSize": 2**20 + 2}}, "spec.training.globalBatchSize"),
+    ({"queueName": "Team_A"}, "spec.queueName"),
+    ({"queueName": "q", "priorityClassName": "x" * 254}, "spec.priorityClassName"),
 ])
 def test_schema_refuses_what_parse_job_refuses(spec, where):
     errors = _admit(_doc(spec))
