@@ -24,10 +24,9 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from tidal_api.spec import ModelSpec
 
@@ -84,7 +83,7 @@ def save_state(state: Mapping[str, torch.Tensor], world: World, root: str | Path
         shutil.rmtree(target)  # an incomplete earlier attempt at the same step
     world.barrier()
     if mine:
-        with _one_process():
+        with _one_process() as dcp:
             dcp.save(mine, checkpoint_id=target / f"rank-{world.rank:05d}", no_dist=True)
     world.barrier()
     if world.rank == 0:
@@ -96,11 +95,16 @@ def save_state(state: Mapping[str, torch.Tensor], world: World, root: str | Path
 
 
 @contextmanager
-def _one_process() -> Iterator[None]:
-    """DCP in this process alone (no process group): what is asked, so not worth a warning."""
+def _one_process() -> Iterator[Any]:
+    """DCP (``torch.distributed.checkpoint``) in this process alone (no process group): what
+    is asked, so not worth a warning. Imported here, not with the module: it imports DTensor,
+    which costs every agent process a second or two at start, and most never write a
+    checkpoint to disk."""
+    import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
+        yield dcp
 
 
 def _parts(directory: Path) -> list[Path]:
@@ -115,9 +119,9 @@ def _read(state: Mapping[str, torch.Tensor], directory: Path) -> None:
     that hold its names, in this process alone."""
     missing = set(state)
     for part in _parts(directory):
-        names = FileSystemReader(part).read_metadata().state_dict_metadata.keys()
-        if wanted := {name: state[name] for name in names if name in missing}:
-            with _one_process():
+        with _one_process() as dcp:
+            names = dcp.FileSystemReader(part).read_metadata().state_dict_metadata.keys()
+            if wanted := {name: state[name] for name in names if name in missing}:
                 dcp.load(wanted, checkpoint_id=part, no_dist=True)
             missing -= wanted.keys()
     if missing:

@@ -11,7 +11,7 @@ compiled, the report's measure of recompilation.
 What a unit reads besides its hidden state and parameters (tokens, dropout masks, the position
 embeddings) comes from ``Unit.inputs``, outside the compiled region, so a compiled unit draws
 the same randomness as an eager one. Strict mode sets inductor's deterministic mode
-(tidal_agent.devices.set_determinism).
+(tidal_agent.devices.set_determinism), applied here as inductor is first imported.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ def compute(unit_type: type) -> Callable:
     if found is None:
         import torch._dynamo.config  # seconds to import: only where units compile
         import torch._functorch.config
+
+        from tidal_agent.devices import inductor_config
+
+        inductor_config()  # strict mode's settings (set_determinism), before any compiles
 
         # The split backward (I, then W from what I kept) runs a unit's backward graph with
         # retain_graph, which buffers donated to the backward would forbid.

@@ -21,14 +21,33 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import sys
+
 import torch
-import torch._inductor.config as inductor
 import torch.utils.deterministic
 
 from tidal_plan.devices import gpu_description
 from tidal_plan.gpus import DeviceChoiceError, compute_device
 
 log = logging.getLogger("tidal.agent")
+
+# What strict mode asks of inductor: no on-device benchmarking that picks kernels, and compiled
+# randomness drawn as eager draws it.
+STRICT_INDUCTOR = {"deterministic": True, "fallback_random": True}
+# The inductor settings set_determinism asked for, applied as inductor is imported
+# (inductor_config): importing it imports dynamo, seconds of every process's start, and a
+# process that compiles nothing never needs it.
+_inductor_asked: dict[str, Any] = {}
+
+
+def inductor_config() -> Any:
+    """``torch._inductor.config`` with the settings set_determinism asked for applied: what
+    tidal_agent.compiled calls before it compiles, and whatever reads those settings."""
+    import torch._inductor.config as inductor
+
+    for name, value in _inductor_asked.items():
+        setattr(inductor, name, value)
+    return inductor
 
 
 def visible_gpus() -> int:
@@ -60,7 +79,7 @@ def set_determinism(device: str, *, strict: bool, threads: int) -> dict[str, Any
 
     Every mode fixes the threads, the same in every process. Strict mode puts inductor in its
     deterministic mode on any device (a compiled unit's kernels are then chosen without timing
-    them: tidal_agent.compiled). On CUDA it also sets what torchtitan's ``set_determinism``
+    them: tidal_agent.compiled), as inductor is imported (:func:`inductor_config`). On CUDA it also sets what torchtitan's ``set_determinism``
     does, before CUDA starts in the process: deterministic algorithms, cuBLAS's fixed
     workspace, cuDNN deterministic without benchmarking and TF32 off. The CPU's kernels give the
     same bits for the same threads without more (tests/integration/test_bitwise.py). Relaxed
@@ -71,11 +90,12 @@ def set_determinism(device: str, *, strict: bool, threads: int) -> dict[str, Any
     record: dict[str, Any] = {"threads": threads}
     if not strict:
         return record
-    inductor.deterministic = True  # no on-device benchmarking that picks kernels
-    inductor.fallback_random = True  # compiled randomness draws as eager does
+    _inductor_asked.update(STRICT_INDUCTOR)
+    if "torch._inductor.config" in sys.modules:
+        inductor_config()  # imported already: set now, as for a process that compiled before
     if device != "cuda":
-        return record | {"torch._inductor.config.deterministic": True,
-                         "torch._inductor.config.fallback_random": True}
+        return record | {f"torch._inductor.config.{name}": value
+                         for name, value in STRICT_INDUCTOR.items()}
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read as cuBLAS starts
     torch.use_deterministic_algorithms(True)
     # Not filling every new tensor, as torchtitan: the trainer writes each buffer before it
@@ -101,9 +121,8 @@ def strict_settings() -> dict[str, Any]:
         "torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "torch.backends.cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
         "torch.float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "torch._inductor.config.deterministic": inductor.deterministic,
-        "torch._inductor.config.fallback_random": inductor.fallback_random,
-    }
+    } | {f"torch._inductor.config.{name}": getattr(inductor_config(), name)
+         for name in STRICT_INDUCTOR}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

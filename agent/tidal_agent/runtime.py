@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from tidal_agent.data import BatchSource
 from tidal_agent.model import StageModule, UnitContext
@@ -33,6 +33,14 @@ from tidal_agent.transport import P2P, Posted
 from tidal_plan.exchanges import Step, peer_stage
 from tidal_plan.ir import Action, Kind
 
+
+def split_backward() -> Any:
+    """torch.distributed.pipelining's ``_backward`` module, imported at its first use: the
+    package imports dynamo and DTensor, three to seven seconds of every agent process's start,
+    and only zero-bubble schedules split a backward."""
+    from torch.distributed.pipelining import _backward
+
+    return _backward
 
 @dataclass(slots=True)
 class _StepState:
@@ -200,7 +208,8 @@ class PipelineRuntime:
         started = hooked.mark() if hooked is not None else None
         # torch's split backward: the input gradient now, with the gradients reaching the
         # weight-consuming nodes kept so W need not run the backward again.
-        (gx,), groups = stage_backward_input(roots, grads, [x], iter(self._params(s)))
+        (gx,), groups = split_backward().stage_backward_input(roots, grads, [x],
+                                                              iter(self._params(s)))
         if hooked is not None:
             hooked.input_grad_done(s, m, started, hooked.mark())
         self._state.weight_groups[(s, m)] = groups
@@ -217,7 +226,7 @@ class PipelineRuntime:
             if hooked is not None:  # the first stage: I and W
                 hooked.input_grad_done(s, m, started, hooked.mark())
         else:
-            stage_backward_weight(iter(self._params(s)), groups)
+            split_backward().stage_backward_weight(iter(self._params(s)), groups)
             if hooked is not None:
                 hooked.weight_grad_done(s, started, hooked.mark())
         self._release(s, m)

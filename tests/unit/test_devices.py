@@ -2,6 +2,8 @@
 GPU bound by the environment, and strict mode's determinism settings."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.utils.deterministic
 
 from tests.commands import TINY
 from tidal_agent.cli import load_job
+from tidal_agent import devices
 from tidal_agent.devices import bind_gpu, plan_device, set_determinism, strict_settings
 from tidal_agent.pod import pod_transport
 from tidal_plan.gpus import DeviceChoiceError, Devices, choose_devices
@@ -126,6 +129,7 @@ def process_settings(monkeypatch):
     threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
     algorithms = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    monkeypatch.setattr(devices, "_inductor_asked", dict(devices._inductor_asked))
     yield
     for module, name, value in flags:
         setattr(module, name, value)
@@ -168,6 +172,27 @@ def test_strict_mode_on_the_cpu_adds_inductors_deterministic_mode_only(process_s
                 "torch._inductor.config.fallback_random": True}
     assert set_determinism("cpu", strict=True, threads=1) == {"threads": 1} | inductor
     assert strict_settings() == before | inductor
+
+
+def test_strict_mode_sets_inductor_as_a_process_that_compiles_imports_it():
+    """A process that compiles nothing never imports inductor (and dynamo with it, seconds of
+    its start); one that compiles has strict mode's settings before its first graph."""
+    script = """if True:
+        import sys
+        import torch
+        import tidal_agent.worker
+        from tidal_agent import compiled
+        from tidal_agent.devices import set_determinism
+        set_determinism("cpu", strict=True, threads=1)
+        print("torch._dynamo" in sys.modules, "torch._inductor.config" in sys.modules)
+        compiled.compute(type("Unit", (), {"compute": lambda self, h: h}))
+        import torch._inductor.config as inductor
+        print(inductor.deterministic, inductor.fallback_random)
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TORCHINDUCTOR_DETERMINISTIC": "0"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "True", "True"]
 
 
 def test_an_unknown_gpu_is_planned_as_an_h100_with_a_warning(monkeypatch, caplog):
