@@ -75,10 +75,14 @@ class Sampler:
                 self.pods.setdefault(pod.metadata.uid, (pod.metadata.name,
                                                         int(labels[keys.GENERATION_LABEL])))
 
-    def in_flight(self) -> bool:
-        """A scale-up or a scale-down under way: a target not applied yet."""
+    def in_flight(self, after: int = -1) -> bool:
+        """A scale-up or a scale-down under way: a target not applied yet (for a generation
+        past ``after``)."""
         target = self.status.get("target") or {}
-        return target.get("generation", 0) > self.status.get("generation", 0)
+        return target.get("generation", 0) > max(self.status.get("generation", 0), after)
+
+    def target_generation(self) -> int:
+        return (self.status.get("target") or {}).get("generation", 0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -89,7 +93,8 @@ class Sampler:
 def lose_the_operator(workdir: Path, *, kills: int, seed: int = 0,
                       progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run the job and kill the operator ``kills`` times, each at a random moment within
-    0.3 s of a target written and not yet applied; what the run saw (see :func:`check`)."""
+    0.3 s of a target written and not yet applied, each kill at a later target than the last;
+    what the run saw (see :func:`check`)."""
     doc = _tiny(steps_for(kills), {"min": 2, "max": GPUS},
                 scaling={"probabilityThreshold": 0.5, "cooldownSeconds": 0,
                          "switchOverheadSeconds": 1},
@@ -103,11 +108,16 @@ def lose_the_operator(workdir: Path, *, kills: int, seed: int = 0,
                                   daemon=True)
         demand.start()
         in_flight: list[bool] = []
+        aimed = 0  # the generation of the target the last kill aimed at
         try:
             _until(lambda: sampler.status.get("members"), 120, "generation 0", cluster)
             for kill in range(kills):
                 _until(lambda: _operator_up(cluster.metrics_port), 60, "the operator", cluster)
-                _until(sampler.in_flight, 60, "a scale-up or a scale-down", cluster)
+                # Each kill at a target of its own: on a loaded machine the target the last
+                # kill aimed at may still be in flight once the operator is back.
+                _until(lambda: sampler.in_flight(after=aimed), 60,
+                       "a new scale-up or scale-down", cluster)
+                aimed = sampler.target_generation()
                 time.sleep(rng.uniform(0.0, 0.3))
                 in_flight.append(sampler.in_flight())
                 if status().get("phase") == "Succeeded":
