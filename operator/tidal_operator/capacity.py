@@ -107,22 +107,17 @@ class FreeGPUs:
             insort(self._buckets.setdefault(new, []), node)
 
 
-_WORKERS, _TOKENS_PER_SECOND = attrgetter("workers"), attrgetter("tokens_per_second")
-_STEP_SECONDS = attrgetter("step_seconds")
-
-
 @dataclass(slots=True)
 class Rows:
-    """A job's kept scale-table rows as parallel lists, to bisect by worker count."""
+    """A job's kept scale-table rows as parallel columns, to bisect by worker count."""
 
-    workers: list[int]
-    tps: list[float]
-    step_s: list[float]
+    workers: tuple[int, ...]
+    tps: tuple[float, ...]
+    step_s: tuple[float, ...]
 
     @classmethod
     def of(cls, table: ScaleTable) -> Rows:
-        return cls(list(map(_WORKERS, table.rows)), list(map(_TOKENS_PER_SECOND, table.rows)),
-                   list(map(_STEP_SECONDS, table.rows)))
+        return cls(*table.columns)
 
     def at_most(self, workers: int) -> int:
         """Index of the largest row with at most ``workers`` (where the job runs), or -1."""
