@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -18,7 +17,7 @@ from operator import attrgetter, eq
 from tidal_operator.capacity import FreeGPUs, Rows, Where
 from tidal_operator.snapshot import ElasticJob, Pod, Snapshot
 
-_KEY, _JOB, _NODE = attrgetter("key"), attrgetter("job"), attrgetter("node")
+_KEY, _JOB = attrgetter("key"), attrgetter("job")
 
 
 @dataclass(slots=True, eq=False)
@@ -43,7 +42,9 @@ class Shrinkable:
     floor: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.on = Counter(map(_NODE, self.pods))
+        self.on = on = {}
+        for pod in self.pods:
+            on[pod.node] = on.get(pod.node, 0) + 1
         self._climb()
 
     def options(self, node: str) -> list[tuple[int, float, int, int]]:
