@@ -7,8 +7,8 @@ and read scale tables through :class:`Rows`.
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left, bisect_right, insort
-from collections import Counter
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -31,7 +31,10 @@ def place(free: FreeGPUs, count: int, size: int, allowed: frozenset[str] | None)
 
 def placed(nodes: list[str]) -> str:
     """The nodes as a decision's message names them: "node-0 x2, node-1"."""
-    return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in Counter(nodes).items())
+    counts = dict.fromkeys(nodes, 0)
+    for node in nodes:
+        counts[node] += 1
+    return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
 
 
 class Where:
@@ -56,73 +59,91 @@ class Where:
 
 
 class FreeGPUs:
-    """Free GPUs per node; the nodes with any are bucketed by amount, names sorted, so that
-    "how many workers fit" and "the tightest node that fits" cost O(distinct amounts). How
-    many fit is kept per size until GPUs move: every job's offer asks it."""
+    """Free GPUs per node, the nodes with any bucketed by amount, so that "how many workers
+    fit" and "the tightest node that fits" cost O(distinct amounts), and moving GPUs O(log
+    nodes). Each bucket is a heap of node names, the least first; a node that has left its
+    bucket stays in its heap until it comes up there (its free GPUs then differ), so a move
+    is a push. How many fit is kept per size until GPUs move: every job's offer asks it."""
 
-    __slots__ = ("free", "idle", "_buckets", "_slots")
+    __slots__ = ("free", "idle", "_heaps", "_count", "_amounts", "_slots")
 
     def __init__(self, free: dict[str, int]) -> None:
         self.free = free
-        self.idle = 0
-        self._buckets: dict[int, list[str]] = {}
+        self._heaps: dict[int, list[str]] = {}
+        for name, gpus in free.items():
+            if gpus > 0:
+                self._heaps.setdefault(gpus, []).append(name)
+        for heap in self._heaps.values():
+            heapq.heapify(heap)
+        self._count = {amount: len(heap) for amount, heap in self._heaps.items()}
+        self._amounts = sorted(self._heaps)  # those with a node, ascending
+        self.idle = sum(amount * count for amount, count in self._count.items())
         self._slots: dict[tuple[int, frozenset[str] | None], int] = {}
-        for name in sorted(name for name, gpus in free.items() if gpus > 0):
-            self.idle += free[name]
-            self._buckets.setdefault(free[name], []).append(name)
 
     def slots(self, size: int, allowed: frozenset[str] | None = None) -> int:
         """How many pods of ``size`` GPUs fit, each on one node (of ``allowed``, if given)."""
         count = self._slots.get((size, allowed))
         if count is None:
             count = self._slots[size, allowed] = sum(
-                (len(names) if allowed is None else sum(n in allowed for n in names))
-                * (amount // size)
-                for amount, names in self._buckets.items() if amount >= size)
+                (self._count[amount] if allowed is None
+                 else len(self._nodes(amount) & allowed)) * (amount // size)
+                for amount in self._amounts[bisect_left(self._amounts, size):])
         return count
 
     def tightest(self, size: int, allowed: frozenset[str] | None = None) -> str | None:
-        """The node with the fewest free GPUs that still fits ``size`` (best fit), among
-        ``allowed`` if given."""
-        amounts = [amount for amount in self._buckets if amount >= size]
+        """The node with the fewest free GPUs that still fits ``size`` (best fit), the first
+        by name among equals, among ``allowed`` if given."""
+        amounts = self._amounts
+        start = bisect_left(amounts, size)
         if allowed is None:
-            return self._buckets[min(amounts)][0] if amounts else None
-        for amount in sorted(amounts):
-            for name in self._buckets[amount]:
-                if name in allowed:
-                    return name
+            return self._first(amounts[start]) if start < len(amounts) else None
+        for amount in amounts[start:]:
+            fitting = self._nodes(amount) & allowed
+            if fitting:
+                return min(fitting)
         return None
+
+    def _first(self, amount: int) -> str:
+        """The least name of the nodes with ``amount`` free GPUs (there is one)."""
+        heap, free = self._heaps[amount], self.free
+        while free[heap[0]] != amount:
+            heapq.heappop(heap)
+        return heap[0]
+
+    def _nodes(self, amount: int) -> set[str]:
+        free = self.free
+        return {name for name in self._heaps[amount] if free[name] == amount}
 
     def add(self, node: str, gpus: int) -> None:
         self._slots.clear()
         old = self.free[node]
         new = self.free[node] = old + gpus
         self.idle += max(new, 0) - max(old, 0)
+        count = self._count
         if old > 0:
-            bucket = self._buckets[old]
-            del bucket[bisect_left(bucket, node)]
-            if not bucket:
-                del self._buckets[old]
+            count[old] -= 1
+            if not count[old]:
+                del count[old], self._amounts[bisect_left(self._amounts, old)]
+                self._heaps[old] = []
         if new > 0:
-            insort(self._buckets.setdefault(new, []), node)
-
-
-_WORKERS, _TOKENS_PER_SECOND = attrgetter("workers"), attrgetter("tokens_per_second")
-_STEP_SECONDS = attrgetter("step_seconds")
+            if new not in count:
+                count[new] = 0
+                insort(self._amounts, new)
+            count[new] += 1
+            heapq.heappush(self._heaps.setdefault(new, []), node)
 
 
 @dataclass(slots=True)
 class Rows:
-    """A job's kept scale-table rows as parallel lists, to bisect by worker count."""
+    """A job's kept scale-table rows as parallel columns, to bisect by worker count."""
 
-    workers: list[int]
-    tps: list[float]
-    step_s: list[float]
+    workers: tuple[int, ...]
+    tps: tuple[float, ...]
+    step_s: tuple[float, ...]
 
     @classmethod
     def of(cls, table: ScaleTable) -> Rows:
-        return cls(list(map(_WORKERS, table.rows)), list(map(_TOKENS_PER_SECOND, table.rows)),
-                   list(map(_STEP_SECONDS, table.rows)))
+        return cls(*table.columns)
 
     def at_most(self, workers: int) -> int:
         """Index of the largest row with at most ``workers`` (where the job runs), or -1."""

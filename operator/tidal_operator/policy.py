@@ -249,15 +249,19 @@ class Arrivals:
     def rate(self, now: float, window: float) -> float:
         return arrival_rate(self.times, now, window)
 
-    def rate_needing(self, left: int, idle: int, now: float, window: float) -> float:
-        """Arrivals per second over the window that the ``idle`` GPUs would hold and the
-        ``left`` of them would not: more than ``left`` GPUs, at most ``idle``."""
+    def sizes(self, now: float, window: float) -> list[int]:
+        """The GPUs of the arrivals over the window, in increasing order."""
         key = (now, window)
         if key not in self._sizes:
             if len(self._sizes) > 64:  # a long-lived one (the simulator's) moves on in time
                 self._sizes.clear()
             self._sizes[key] = sorted(self.within(now, window)[1])
-        sizes = self._sizes[key]
+        return self._sizes[key]
+
+    def rate_needing(self, left: int, idle: int, now: float, window: float) -> float:
+        """Arrivals per second over the window that the ``idle`` GPUs would hold and the
+        ``left`` of them would not: more than ``left`` GPUs, at most ``idle``."""
+        sizes = self.sizes(now, window)
         return (bisect_right(sizes, idle) - bisect_right(sizes, left)) / window
 
 
@@ -272,8 +276,9 @@ def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
     best row no longer fits may still want a smaller one). Ties go to the fewest workers, then
     the key. A job takes one row per round; its new workers leave the pool for the jobs after
     it. The free GPUs reach an offer only through the most workers it could have (``reach``)
-    and the GPUs idle (the headroom's): an offer whose two are unchanged is priced again to the
-    same offer, so it is kept.
+    and the GPUs idle (the headroom's): an offer whose reach is unchanged and whose GPUs idle
+    are unchanged, or still at least its ``steady``, is priced again to the same offer, so it
+    is kept.
     """
     if free.idle <= 0:
         return ()
@@ -282,7 +287,8 @@ def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
     def offer(job: ElasticJob, stale: Offer | None = None) -> Offer | None:
         allowed = where(job.placement)
         reach = min(job.cap, job.workers + free.slots(job.gpus_per_worker, allowed))
-        if stale is not None and (stale.reach, stale.idle) == (reach, free.idle):
+        if stale is not None and stale.reach == reach and (
+                stale.idle == free.idle or free.idle >= stale.steady):
             return stale
         return scale_up_offer(job, reach, free.idle, allowed, arrivals, snapshot.window_seconds,
                               now)
@@ -317,6 +323,9 @@ class Offer:
     allowed: frozenset[str] | None
     reach: int  # the most workers the idle GPUs allowed it when priced (scale_up_offer)
     idle: int  # the GPUs idle when priced
+    # With as many GPUs idle or more (and the same reach), the headroom passes the same row:
+    # its new workers and the largest arrival of the window fit (inf: the headroom cut it).
+    steady: float
     to_workers: int
     gain: float  # tokens/s over the current row's, less one
     per_gpu: float
@@ -371,9 +380,15 @@ def scale_up_offer(job: ElasticJob, reach: int, idle: int, allowed: frozenset[st
     if here < 0 or last < first:
         return None
     window = job.arrival_window_seconds or window
+    top = last
     last = _headroom(job, rows, first, last, idle, arrivals, now, window)
     if last < first:
         return None
+    steady = math.inf
+    if last == top:
+        sizes = arrivals.sizes(now, window)
+        steady = (rows.workers[last] - job.workers) * job.gpus_per_worker + (
+            sizes[-1] if sizes else 0)
     # the most tokens/s, the fewest workers among equals
     best = rows.tps.index(max(rows.tps[first:last + 1]), first)
     gain = rows.tps[best] / rows.tps[here] - 1
@@ -385,9 +400,9 @@ def scale_up_offer(job: ElasticJob, reach: int, idle: int, allowed: frozenset[st
     if probability <= job.probability_threshold:
         return None
     per_gpu = gain / ((rows.workers[best] - job.workers) * job.gpus_per_worker)
-    return Offer(job=job, allowed=allowed, reach=reach, idle=idle, to_workers=rows.workers[best],
-                 gain=gain, per_gpu=per_gpu, probability=probability, rate=rate,
-                 overhead=overhead)
+    return Offer(job=job, allowed=allowed, reach=reach, idle=idle, steady=steady,
+                 to_workers=rows.workers[best], gain=gain, per_gpu=per_gpu,
+                 probability=probability, rate=rate, overhead=overhead)
 
 
 def _headroom(job: ElasticJob, rows: Rows, first: int, last: int, idle: int,

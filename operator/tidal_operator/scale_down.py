@@ -11,9 +11,13 @@ import heapq
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, eq
 
 from tidal_operator.capacity import FreeGPUs, Rows, Where
 from tidal_operator.snapshot import ElasticJob, Pod, Snapshot
+
+_KEY, _JOB = attrgetter("key"), attrgetter("job")
 
 
 @dataclass(slots=True, eq=False)
@@ -59,8 +63,9 @@ class Shrinkable:
         """Release pods to reach ``to`` workers: those on ``node`` first, highest rank first."""
         order = sorted(reversed(self.pods), key=lambda p: p.node != node)
         gone = order[: self.workers - to]
+        leaving = set(map(id, gone))
+        self.pods = [pod for pod in self.pods if id(pod) not in leaving]
         for pod in gone:
-            self.pods.remove(pod)
             self.on[pod.node] -= 1
         self.released += [p.key for p in gone]
         self.workers = to
@@ -85,8 +90,35 @@ class Shrinkable:
 _Plan = tuple[float, int, tuple[tuple[Shrinkable, int], ...]]
 
 
-def _plans(jobs: list[Shrinkable], node: str, capacity: int) -> list[_Plan | None]:
-    """For each deficit d in 0..capacity, the cheapest plan freeing at least d GPUs on node.
+def _cheapest(jobs: list[Shrinkable], node: str, capacity: int, lack: int) -> _Plan | None:
+    """The cheapest plan freeing at least ``lack`` GPUs on ``node``: the least summed loss,
+    then the fewest GPUs released, as :func:`_plans` finds it, ties and all.
+
+    Most nodes need no knapsack: where one job's option frees enough at a loss below the
+    least any two jobs' options could sum to (or no other job has an option there), no plan
+    of two jobs or more can match it, and the knapsack's answer is that option (the fewest
+    GPUs freed there among equals, then the first job and option, as the knapsack keeps them).
+    """
+    offers = [(job, options) for job in jobs if (options := job.options(node))]
+    single = None  # (loss, freed, freed there, job, new count)
+    for job, options in offers:
+        for freed_here, loss, freed, to in options:
+            here = min(capacity, freed_here)
+            if here >= lack and (single is None or (loss, freed, here) < single[:3]):
+                single = (loss, freed, here, job, to)
+    if len(offers) > 1:
+        least = sorted(min(loss for _, loss, _, _ in options) for _, options in offers)
+        if single is None or single[0] >= least[0] + least[1]:
+            return _plans(offers, capacity)[lack]
+    if single is None:
+        return None
+    return (0.0 + single[0], single[1], ((single[3], single[4]),))
+
+
+def _plans(offers: list[tuple[Shrinkable, list[tuple[int, float, int, int]]]],
+           capacity: int) -> list[_Plan | None]:
+    """For each deficit d in 0..capacity, the cheapest plan freeing at least d GPUs on a node,
+    from the options each job offers there (:meth:`Shrinkable.options`).
 
     A multiple-choice knapsack over the jobs with workers there (each job takes one option or
     none), with states capped at the node's capacity: few jobs share a node, so it is small.
@@ -94,14 +126,11 @@ def _plans(jobs: list[Shrinkable], node: str, capacity: int) -> list[_Plan | Non
     """
     best: list[_Plan | None] = [None] * (capacity + 1)
     best[0] = (0.0, 0, ())
-    for job in jobs:
-        options = job.options(node)
-        if not options:
-            continue
+    reached = [0]  # the deficits best has a plan for, in order
+    for job, options in offers:
         grown = best[:]
-        for have, plan in enumerate(best):
-            if plan is None:
-                continue
+        for have in reached:
+            plan = best[have]
             for freed_here, loss, freed, to in options:
                 more = min(capacity, have + freed_here)
                 cost, count = plan[0] + loss, plan[1] + freed
@@ -109,6 +138,7 @@ def _plans(jobs: list[Shrinkable], node: str, capacity: int) -> list[_Plan | Non
                 if there is None or (cost, count) < there[:2]:
                     grown[more] = (cost, count, (*plan[2], (job, to)))
         best = grown
+        reached = [have for have, plan in enumerate(best) if plan is not None]
     for d in range(capacity - 1, -1, -1):
         above = best[d + 1]
         if above is not None and (best[d] is None or above[:2] < best[d][:2]):
@@ -142,7 +172,7 @@ def make_room(
     free = FreeGPUs(free_by_node)
     room = _Room(_shrinkable(snapshot.jobs, workers), free,
                  {node.name: node.gpus for node in snapshot.nodes})
-    touched: list[Shrinkable] = []
+    touched: dict[int, Shrinkable] = {}  # by id, in the order first shrunk
     for pod in sorted(pending, key=lambda p: (p.created, p.key)):
         allowed = where(pod.placement)
         fits = free.tightest(pod.gpus, allowed)
@@ -157,35 +187,42 @@ def make_room(
         for job, to in steps:
             room.shrink(job, to, node)
             job.room_for.append((pod, node))
-            if job not in touched:
-                touched.append(job)
+            touched.setdefault(id(job), job)
         free.add(node, -pod.gpus)
         room.took(node)
-    return touched
+    return list(touched.values())
 
 
 class _Room:
     """The nodes where releases can make room, and the search for the cheapest plan there.
 
-    Each node's plans (:func:`_plans`) are kept until one of its jobs shrinks. A pod that may
-    run anywhere takes the least key (loss, GPUs released, node name) from a heap per pod
-    size. For every node that could free enough for that size, the heap holds an entry no
-    greater than the node's key: its exact key, or a lower bound (the least ``floor`` of the
-    node's jobs, sorting before any exact key of the same loss). The search turns bounds into
-    exact keys until an exact key is least: nodes whose bound lies above it never have their
-    plans computed.
+    A pod that may run anywhere takes the least key (loss, GPUs released, node name) from a
+    heap per pod size. For every node that could free enough for that size, the heap holds an
+    entry no greater than the node's key, of three kinds, each no greater than the next:
+    - a bound: the least ``floor`` of the node's jobs, and the GPUs the pod lacks there (no
+      plan releases fewer);
+    - a closer bound, once a bound comes up (:meth:`_closer`): the least floor of the jobs
+      with enough pods there to free the lack alone, or the two least floors summed (a plan of
+      two jobs or more loses at least that);
+    - the exact key, once a closer bound comes up (:meth:`_plan`, kept until the node's jobs
+      change).
+    Equal (loss, GPUs, node), an entry sorts before the next kind. The search refines the
+    least entry until it is an exact key: nodes whose bound lies above it never have their
+    plans computed, nor their jobs' ladders.
 
     Entries are stamped with their node's version, which every change makes anew. An exact
     entry is exact for its version only, but stays a lower bound while the node's key cannot
     have fallen: a pod placed there only raises it (the plan for a larger lack), a shrink of
-    one of its jobs may lower it, so a new bound goes into every heap (``lowered``). A node
-    left out of a heap stays out: its free and releasable GPUs never grow in a call (a release
+    one of its jobs may lower it, so a new bound goes into every heap (``lowered``): into one
+    log, which each heap reads on from where it left off when next searched, passing over the
+    nodes changed again since. A node whose free and releasable GPUs cannot hold a pod's size
+    is dropped from that size's heap, and stays out: those never grow in a call (a release
     moves GPUs from one to the other, a placed pod takes free ones). A pod with a placement
     scans the nodes it may run on, by name.
     """
 
     __slots__ = ("free", "capacity", "on_node", "releasable", "floor", "version", "lowered",
-                 "_plans", "_heaps")
+                 "_plans", "_heaps", "_log")
 
     def __init__(self, jobs: list[Shrinkable], free: FreeGPUs, capacity: dict[str, int]) -> None:
         self.free = free
@@ -193,41 +230,67 @@ class _Room:
         self.on_node: dict[str, list[Shrinkable]] = {}
         self.releasable = dict.fromkeys(capacity, 0)  # an upper bound on what a node can free
         self.floor: dict[str, float] = {}
+        on_node, releasable, floor = self.on_node, self.releasable, self.floor
         for job in jobs:
-            for pod in job.pods:
-                jobs_here = self.on_node.setdefault(pod.node, [])
-                if not jobs_here or jobs_here[-1] is not job:
+            gpw, least = job.job.gpus_per_worker, job.floor
+            for node, count in job.on.items():
+                jobs_here = on_node.get(node)
+                if jobs_here is None:
+                    on_node[node] = [job]
+                    floor[node] = least
+                else:
                     jobs_here.append(job)
-                    self.floor[pod.node] = min(self.floor.get(pod.node, math.inf), job.floor)
-                self.releasable[pod.node] += pod.gpus
-        self.version = dict.fromkeys(self.on_node, 0)
-        self.lowered = dict.fromkeys(self.on_node, 0)  # the version of the last shrink there
-        self._plans: dict[str, list[_Plan | None]] = {}
-        self._heaps: dict[int, list[tuple[float, int, str, int]]] = {}
+                    floor[node] = min(floor[node], least)
+                releasable[node] += count * gpw
+        self.version = dict.fromkeys(on_node, 0)
+        self.lowered = dict.fromkeys(on_node, 0)  # the version of the last shrink there
+        self._plans: dict[str, dict[int, _Plan | None]] = {}  # by lack
+        # by pod size: the heap, and how far it has read the log
+        self._heaps: dict[int, tuple[list[tuple[float, int, str, int, int]], list[int]]] = {}
+        self._log: list[tuple[float, str, int]] = []  # (floor, node, version) of each shrink
 
     def cheapest(self, gpus: int, allowed: frozenset[str] | None) -> tuple[_Plan, str] | None:
         """The cheapest plan (least loss, fewest GPUs released, then node name) that frees
         what a pod of ``gpus`` lacks on a node of ``allowed`` (None: any), and its node."""
         if allowed is not None:
             return self._scan(gpus, allowed)
-        heap = self._heaps.get(gpus)
-        if heap is None:
-            free, releasable, floor = self.free.free, self.releasable, self.floor
-            heap = self._heaps[gpus] = [(floor[node], -1, node, version)
-                                        for node, version in self.version.items()
-                                        if free[node] + releasable[node] >= gpus]
-            heapq.heapify(heap)
+        heap = self._heap(gpus)
+        lowered, versions = self.lowered, self.version
         while heap:
-            _, released, node, version = heap[0]
-            if version < self.lowered[node]:
+            _, _, node, kind, version = heap[0]
+            if version < lowered[node]:
                 heapq.heappop(heap)
-            elif released >= 0 and version == self.version[node]:
+            elif kind == 2 and version == versions[node]:
                 return self._plan(node, gpus), node
+            elif kind == 0:
+                closer = self._closer(node, gpus)
+                if closer is None:
+                    heapq.heappop(heap)
+                else:
+                    heapq.heapreplace(heap, (closer, heap[0][1], node, 1, version))
             elif (plan := self._plan(node, gpus)) is not None:
-                heapq.heapreplace(heap, (plan[0], plan[1], node, self.version[node]))
+                heapq.heapreplace(heap, (plan[0], plan[1], node, 2, versions[node]))
             else:
                 heapq.heappop(heap)
         return None
+
+    def _heap(self, gpus: int) -> list[tuple[float, int, str, int, int]]:
+        """The heap of ``gpus``, made at its first search, with the log read to its end."""
+        free, releasable = self.free.free, self.releasable
+        if gpus not in self._heaps:
+            heap = [(self.floor[node], max(1, gpus - free[node]), node, 0, version)
+                    for node, version in self.version.items()
+                    if free[node] + releasable[node] >= gpus]
+            heapq.heapify(heap)
+            self._heaps[gpus] = (heap, [len(self._log)])
+            return heap
+        heap, read = self._heaps[gpus]
+        lowered = self.lowered
+        for floor, node, version in self._log[read[0]:]:
+            if version == lowered[node] and free[node] + releasable[node] >= gpus:
+                heapq.heappush(heap, (floor, max(1, gpus - free[node]), node, 0, version))
+        read[0] = len(self._log)
+        return heap
 
     def _scan(self, gpus: int, allowed: frozenset[str]) -> tuple[_Plan, str] | None:
         chosen: tuple[_Plan, str] | None = None
@@ -237,15 +300,49 @@ class _Room:
                 chosen = (plan, node)
         return chosen
 
-    def _plan(self, node: str, gpus: int) -> _Plan | None:
-        """The cheapest plan freeing what a pod of ``gpus`` lacks on ``node``, or None."""
+    def _lack(self, node: str, gpus: int) -> int | None:
+        """The GPUs a pod of ``gpus`` lacks on ``node``, or None where no plan can free them."""
         lack = gpus - self.free.free[node]
         if lack > self.releasable[node] or lack > self.capacity[node]:
             return None
-        plans = self._plans.get(node)
-        if plans is None:
-            plans = self._plans[node] = _plans(self.on_node[node], node, self.capacity[node])
-        return plans[lack]
+        return lack
+
+    def _closer(self, node: str, gpus: int) -> float | None:
+        """A bound on the loss of any plan on ``node`` for a pod of ``gpus``, or None where
+        there is none: the least floor of the jobs whose pods there could free its lack alone,
+        and the two least floors summed (a plan of two jobs or more; losses are not
+        negative)."""
+        lack = self._lack(node, gpus)
+        if lack is None:
+            return None
+        alone = first = second = math.inf
+        for job in self.on_node[node]:
+            here = job.on.get(node)
+            if not here:
+                continue
+            floor = job.floor
+            if floor < alone and here * job.job.gpus_per_worker >= lack:
+                alone = floor
+            if floor < first:
+                first, second = floor, first
+            elif floor < second:
+                second = floor
+        if alone == second == math.inf:
+            return None
+        return min(alone, first + second)
+
+    def _plan(self, node: str, gpus: int) -> _Plan | None:
+        """The cheapest plan freeing what a pod of ``gpus`` lacks on ``node``, or None."""
+        lack = self._lack(node, gpus)
+        if lack is None:
+            return None
+        known = self._plans.get(node)
+        if known is None:
+            known = self._plans[node] = {}
+        elif lack in known:
+            return known[lack]
+        plan = known[lack] = _cheapest(self.on_node[node], node, self.capacity[node], lack)
+        return plan
 
     def took(self, node: str) -> None:
         """A pod took free GPUs on ``node``: a new version, whose key is no less."""
@@ -254,19 +351,16 @@ class _Room:
 
     def shrink(self, job: Shrinkable, to: int, node: str) -> None:
         """Shrink ``job`` to ``to`` workers, releasing on ``node`` first; its GPUs go free.
-        Every node it ran on gets new plans, a new floor and a new bound in every heap."""
+        Every node it ran on gets new plans, a new floor and a new bound in the log."""
         nodes = {p.node for p in job.pods}
         for gone in job.shrink(to, node):
             self.free.add(gone.node, gone.gpus)
             self.releasable[gone.node] -= gone.gpus
-        free, releasable = self.free.free, self.releasable
         for other in nodes:
             self._plans.pop(other, None)
             version = self.version[other] = self.lowered[other] = self.version[other] + 1
             floor = self.floor[other] = _least_floor(self.on_node[other], other)
-            for gpus, heap in self._heaps.items():
-                if free[other] + releasable[other] >= gpus:
-                    heapq.heappush(heap, (floor, -1, other, version))
+            self._log.append((floor, other, version))
 
 
 def _least_floor(jobs: list[Shrinkable], node: str) -> float:
@@ -279,22 +373,19 @@ def _least_floor(jobs: list[Shrinkable], node: str) -> float:
 
 
 def _shrinkable(jobs: tuple[ElasticJob, ...], workers: dict[str, Pod]) -> list[Shrinkable]:
+    """The jobs a scale-down may shrink, by key: enabled, not busy, with a scale table, above
+    their minimum, and every member but the leader bound and labelled theirs."""
     found = []
-    for job in sorted(jobs, key=lambda j: j.key):
+    bound = workers.get
+    for job in sorted(jobs, key=_KEY):
         if (not job.enabled or job.busy or job.scale_table is None
                 or job.workers <= job.min_workers or len(job.members) != job.workers):
             continue
-        pods = []
-        for key in job.members[1:]:
-            pod = workers.get(key)
-            if pod is None or pod.job != job.key:
-                break
-            pods.append(pod)
-        if len(pods) != job.workers - 1:
+        pods = list(map(bound, job.members[1:]))
+        if not all(pods) or not all(map(eq, repeat(job.key), map(_JOB, pods))):
             continue
         rows = Rows.of(job.scale_table)
         here = rows.at_most(job.workers)
         if here >= 0:
             found.append(Shrinkable(job, rows, rows.tps[here], job.workers, pods))
     return found
-

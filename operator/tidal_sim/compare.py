@@ -2,12 +2,14 @@
 
 :func:`compare` runs static and each policy (:class:`~tidal_sim.engine.Simulation`) and keeps
 what the reports, tables and plots need; :func:`tradeoff` runs tidal at several thresholds,
-the price in queueing of faster elastic jobs.
+the price in queueing of faster elastic jobs; :func:`beaten_by` names the peers that beat a
+policy on both counts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tidal_sim.engine import POLICIES, SimConfig, Simulation
@@ -71,3 +73,32 @@ def _ratios(report: dict, base: dict) -> None:
                              if report["elastic_jct_mean_s"] else 1.0)
     report["queue_ratio"] = (report["queue_mean_s"] / base["queue_mean_s"] if base["queue_mean_s"]
                              else 1.0 if report["queue_mean_s"] == 0 else None)
+
+
+# Differences within this fraction of a figure are noise: neither faster nor kinder.
+TOLERANCE = 0.005
+
+
+def beaten_by(reports: Mapping[str, dict], policy: str = "tidal",
+              peers: tuple[str, ...] = ("greedy", "flextrain"),
+              tolerance: float = TOLERANCE) -> list[str]:
+    """The peers among ``reports`` (each with ``jct_speedup`` and ``queue_ratio``) that beat
+    ``policy`` on both counts: at least as fast for elastic jobs and at least as kind to the
+    queue (each within ``tolerance`` counting as equal), and better beyond it on one of the
+    two. A queue ratio of None (static queued nothing, the run did) is the worst there is."""
+    def figures(name: str) -> tuple[float, float]:
+        report = reports[name]
+        queue = report["queue_ratio"]
+        return report["jct_speedup"], math.inf if queue is None else queue
+
+    jct, queue = figures(policy)
+    beaten = []
+    for peer in peers:
+        if peer not in reports:
+            continue
+        peer_jct, peer_queue = figures(peer)
+        as_good = peer_jct >= jct * (1 - tolerance) and peer_queue <= queue * (1 + tolerance)
+        better = peer_jct > jct * (1 + tolerance) or peer_queue < queue * (1 - tolerance)
+        if as_good and better:
+            beaten.append(peer)
+    return beaten

@@ -9,8 +9,17 @@ overhead, from a step boundary: the job trains on at its old speed until then (a
 fraction of a step, and for tidal's scale-up one step more), and released workers hold their
 GPUs until the drain after it ends (with peer snapshots, none for a hot switch whose leavers'
 keepers all stay: ``tidal_plan.keepers.keepers_stay``, the agent's own rule). Queued jobs show
-to ``decide`` as pending pods (an elastic job's with its label, and the job with no member yet,
-as the operator sees a new job), so the operator's own scale-down makes room for them.
+to ``decide`` from their arrival, in one of two forms (``SimConfig.queue``):
+- ``pods``: as their pending pods, as in a cluster whose jobs create their pods at once and
+  wait for the scheduler (an elastic job's labelled with it);
+- ``workloads``: as the pending records of a Kueue Workload not yet admitted, as the operator
+  turns one into demand (issue 39: ``kueue:<ns>/<workload>/<podset>/<i>``, no job label; an
+  elastic job's minimum queues that way too, through its ``spec.queueName``), as in a cluster
+  that holds its batch work in a queue before any pod exists.
+Either way a queued elastic job is there as the operator sees a new one, with no member yet,
+below its minimum, so the operator's own scale-down makes room for them. A third, ``hidden``,
+is the Kueue cluster as the operator saw it before issue 39: a non-elastic job that queues
+shows nothing until it starts, neither demand nor an arrival.
 
 At every arrival, completion, switch end and periodic tick, the elastic policies build a
 :class:`Snapshot` and apply ``tidal_operator.policy.decide`` unchanged:
@@ -49,6 +58,7 @@ from tidal_sim.trace import GPUS_PER_NODE, TraceJob
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot
 
 POLICIES = ("static", "greedy", "flextrain", "tidal")
+QUEUES = ("pods", "workloads", "hidden")  # how queued jobs show to decide (module docstring)
 HOT_SWITCH_SECONDS = {"small": 2.0, "medium": 4.0, "large": 8.0}
 RESTART_SECONDS = {"small": 60.0, "medium": 120.0, "large": 240.0}
 RESTART_SAVE_FRACTION = 0.5  # a restart frees the GPUs it gives up once its checkpoint is saved
@@ -76,6 +86,7 @@ class SimConfig:
     threshold: float = DEFAULT_THRESHOLD  # tidal's probabilityThreshold
     # elastic jobs (not static's) may start with this fraction of their request (0: off)
     start_below: float = 0.0
+    queue: str = "pods"  # how queued jobs show to decide: QUEUES
     tables_dir: Path = TABLES_DIR
 
     def __post_init__(self) -> None:
@@ -83,6 +94,8 @@ class SimConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         if self.elastic not in ("pp", "dp-pp"):
             raise ValueError(f"elastic must be pp or dp-pp, got {self.elastic!r}")
+        if self.queue not in QUEUES:
+            raise ValueError(f"queue must be one of {', '.join(QUEUES)}, got {self.queue!r}")
         if (self.nodes < 1 or self.tick_seconds <= 0 or self.jitter < 0
                 or self.pause_scale < 0 or not 0 <= self.threshold < 1
                 or not 0 <= self.start_below <= 1):
@@ -122,14 +135,18 @@ class _Job:
         rest = g % GPUS_PER_NODE
         return [GPUS_PER_NODE] * (g // GPUS_PER_NODE) + ([rest] if rest else [])
 
-    def waiting(self) -> tuple[Pod, ...]:
-        """Its pods as decide sees them while it queues; made when a snapshot first needs
-        them (most jobs start as they arrive, unseen)."""
+    def waiting(self, queue: str) -> tuple[Pod, ...]:
+        """Its demand as decide sees it while it queues (``queue``: SimConfig's), made when a
+        snapshot first needs it (most jobs start as they arrive, unseen): its pending pods,
+        or its Workload's pending records, one a pod of its one pod set."""
         if not self.pending:
-            self.pending = tuple(Pod(f"{self.key}/{i}", size, None, "Pending",
-                                     self.key if self.trace.size else None,
-                                     created=self.trace.submit)
-                                 for i, size in enumerate(self.sizes))
+            if queue == "workloads":
+                keys, job = [f"kueue:sim/{self.key}/main/{i}" for i in range(len(self.sizes))], None
+            else:
+                keys = [f"{self.key}/{i}" for i in range(len(self.sizes))]
+                job = self.key if self.trace.size else None
+            self.pending = tuple(Pod(key, size, None, "Pending", job, created=self.trace.submit)
+                                 for key, size in zip(keys, self.sizes, strict=True))
         return self.pending
 
 
@@ -249,7 +266,8 @@ class Simulation:
 
     def _arrive(self, job: _Job) -> None:
         if job.trace.size is None:
-            self.arrivals.append(job.trace.submit, job.trace.gpus)
+            if self.config.queue != "hidden":  # (hidden: seen when it starts, _start)
+                self.arrivals.append(job.trace.submit, job.trace.gpus)
         elif self.config.start_below > 0 and self.config.policy != "static":
             self._start_below(job)
         job.sizes = job.pod_sizes()
@@ -364,6 +382,8 @@ class Simulation:
         job.next_pod = len(sizes)
         self.running[job.key] = job
         if job.trace.size is None:
+            if self.config.queue == "hidden":  # its pods are the first the operator sees of it
+                self.arrivals.append(self.now, job.trace.gpus)
             self.push(self.now + job.trace.duration, "end", job.key)
             return
         self.elastic[job.key] = job
@@ -407,9 +427,9 @@ class Simulation:
         the call (most of a run's time) is skipped; nothing else changes in between.
 
         The proof, step by step of ``decide``. The snapshot's queued jobs are busy with no
-        worker, and their pods are its only unbound pods, each pending (a non-elastic pod, or
-        a job's below its minimum): so no joiner waits, and pods are pending exactly when the
-        queue is not empty. Its running jobs are ``self.elastic``'s, busy while paused. Then:
+        worker, and their pods (or Workload records) are its only unbound pods, each pending
+        (a non-elastic pod, a record with no job label, or a job's below its minimum): so no
+        joiner waits, and pods are pending exactly when a queued job shows (``demand``). Its running jobs are ``self.elastic``'s, busy while paused. Then:
         ``_restore`` acts only on a job below its minimum, ``_drop_stragglers`` on one with
         stragglers (``slow``), both checked here. With pods pending, ``make_room`` shrinks only
         a job that is not busy and above its minimum. With none, ``_scale_up`` places only the
@@ -419,13 +439,14 @@ class Simulation:
         workers as fit on the free GPUs, each on one node: ``FreeGPUs.slots``), the arrivals
         in the window with their GPUs, and the GPUs idle (the headroom's).
         """
+        demand = any(self._shows(job) for job in self.queue)
         for job in self.elastic.values():
             spec = job.spec
             if spec.workers < spec.min_workers or spec.slow:
                 return True
             if job.paused_until > self.now:  # busy
                 continue
-            if self.queue:
+            if demand:
                 if spec.workers > spec.min_workers:
                     return True
                 continue
@@ -442,10 +463,14 @@ class Simulation:
         return sum(count * (amount // size)
                    for amount, count in enumerate(self.nodes_with) if amount >= size)
 
+    def _shows(self, job: _Job) -> bool:
+        """Whether a queued job shows to decide (not where the queue hides it)."""
+        return self.config.queue != "hidden" or job.trace.size is not None
+
     def _snapshot(self) -> Snapshot:
         pods = [p for job in self.running.values() for p in job.pods]
-        for job in self.queue:
-            pods += job.waiting()
+        for job in filter(self._shows, self.queue):
+            pods += job.waiting(self.config.queue)
         jobs = []
         for job in self.elastic.values():
             busy = job.paused_until > self.now

@@ -121,10 +121,14 @@ def test_sim_bench_runs_with_either_cluster_size(tmp_path):
         curve = report["summary"]["pp"]["tradeoff"]
         assert [p["threshold"] for p in curve] == [0.6, 0.99]
         assert all(p["jct_speedup_geomean"] > 0 for p in curve)
+        # tidal's hot switch beats the restarts here: no peer beats it on both counts
+        assert all(r["tidal_beaten_by"] == [] for r in report["runs"])
+        assert report["summary"]["pp"]["tidal_beaten"] == {} and report["queue"] == "pods"
     text = doc.read_text()
     assert "| 0.99 | " in text  # the trade-off table
     assert text.startswith("head\n<!-- sim:begin -->\n#### PP-only") and text.endswith("tail\n")
     assert "| cluster04 | 128 (1024) | 1 of 3 |" in text
+    assert "| none |" in text and "beaten on both counts by no peer" in text
 
 
 def test_decide_bench_reports_each_size_against_the_target():

@@ -619,7 +619,11 @@ def test_bench_snapshot_decides():
         assert decisions == decide(bench.build_snapshot(scenario, seed=3, **bench.TINY), bench.NOW)
     full = bench.plain_cluster("scale_down", **bench.FULL)
     assert len(full["pods"]) == 5000 and len(full["jobs"]) == 200
-    assert sum(p[2] is None for p in full["pods"]) == 100
+    waiting = [p[0] for p in full["pods"] if p[2] is None]
+    queued = {key.rsplit("/", 1)[0] for key in waiting if ":" in key}  # Workloads, PodGroups
+    assert len(queued) + sum(":" not in key for key in waiting) == 100
+    assert {key.split(":")[0] for key in queued} == {"kueue", "volcano"}
+    assert len(waiting) > 100  # a queued object's pods are records of their own
 
 
 # Node selectors and taints.

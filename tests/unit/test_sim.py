@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tidal_operator.policy import decide
 from tidal_plan.keepers import keepers_stay
 from tidal_sim import SimConfig, TraceJob, default_nodes, mark_elastic, simulate
-from tidal_sim.compare import compare, tradeoff
-from tidal_sim.engine import GPUS_PER_NODE, Simulation, job_table, load_tables
+from tidal_sim.compare import beaten_by, compare, tradeoff
+from tidal_sim.engine import GPUS_PER_NODE, QUEUES, Simulation, job_table, load_tables
 
 
 def job(i: int, submit: float, duration: float, gpus: int, size: str | None = None) -> TraceJob:
@@ -200,18 +200,18 @@ _traces = st.lists(
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(_traces, st.sampled_from(["greedy", "flextrain", "tidal"]), st.integers(2, 5),
        st.sampled_from(["pp", "dp-pp"]), st.sampled_from([1.0, 0.0]), st.booleans(),
-       st.sampled_from([0.0, 0.5]))
+       st.sampled_from([0.0, 0.5]), st.sampled_from(QUEUES))
 def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, elastic, scale,
-                                                          snapshots, below):
+                                                          snapshots, below, queue):
     jobs = [job(i, s, d, g, "small" if e and g % GPUS_PER_NODE == 0 else None)
             for i, (s, d, g, e) in enumerate(trace)]
     jobs.sort(key=lambda j: (j.submit, j.job_id))
     config = SimConfig(policy=policy, nodes=nodes, elastic=elastic, tick_seconds=300,
                        pause_scale=scale,  # 0: free switches, drains at the same instant
-                       peer_snapshots=snapshots, start_below=below)
+                       peer_snapshots=snapshots, start_below=below, queue=queue)
     sim = Simulation(jobs, config)
 
     def check(s: Simulation) -> None:
@@ -235,8 +235,10 @@ def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, 
     assert simulate(jobs, config) == first
 
 
-@pytest.mark.parametrize("policy", ["greedy", "flextrain", "tidal"])
-def test_decide_is_skipped_only_where_it_decides_nothing(policy, monkeypatch):
+@pytest.mark.parametrize(("policy", "queue"), [("greedy", "pods"), ("flextrain", "pods"),
+                                               ("tidal", "pods"), ("tidal", "workloads"),
+                                               ("tidal", "hidden")])
+def test_decide_is_skipped_only_where_it_decides_nothing(policy, queue, monkeypatch):
     """A busy trace (queues, idle spells, scale-ups and downs): wherever the run skips
     ``decide``, ``decide`` on the same state returns no decision, and the runs still decide."""
     rng = random.Random(0)
@@ -254,8 +256,74 @@ def test_decide_is_skipped_only_where_it_decides_nothing(policy, monkeypatch):
         return may
 
     monkeypatch.setattr(Simulation, "_may_decide", checked)
-    report = simulate(jobs, SimConfig(policy=policy, nodes=10, tick_seconds=300))
+    report = simulate(jobs, SimConfig(policy=policy, nodes=10, tick_seconds=300, queue=queue))
     assert skipped and report["scale_ups"] > 1 and report["scale_downs"] > 1
+
+
+def test_a_queue_of_workloads_decides_as_its_pods():
+    """Queued jobs as Kueue Workloads' records (issue 39's contract: keyed by the Workload, no
+    job label, an elastic job's minimum too) decide as their pending pods do: the simulator
+    showed queued jobs' demand from their arrival already."""
+    rng = random.Random(1)
+    jobs = mark_elastic(sorted((job(i, rng.uniform(0, 50000), rng.uniform(100, 20000),
+                                    rng.choice([1, 2, 4, 8, 8, 16]))
+                                for i in range(120)), key=lambda j: (j.submit, j.job_id)),
+                        share=0.4)
+    seen = []
+    sim = Simulation(jobs, SimConfig(policy="tidal", nodes=8, queue="workloads"))
+    sim.checks.append(lambda s: seen.extend(p for j in s.queue for p in j.pending))
+    workloads = sim.run()
+    assert workloads == simulate(jobs, SimConfig(policy="tidal", nodes=8))
+    assert workloads["scale_downs"] > 0 and seen
+    assert all(p.key.startswith("kueue:sim/") and p.key.count("/") == 3 and p.job is None
+               and p.node is None and p.phase == "Pending" for p in seen)
+
+
+def test_a_hidden_queue_leaves_the_lent_gpus_lent():
+    """A Kueue queue the operator cannot see (before issue 39): the non-elastic job that
+    arrives while the elastic job has grown waits until the elastic job ends, where with
+    its demand in sight it waits only for a drain."""
+    jobs = [job(0, 0, 20000, 8, "small"), job(1, 5000, 100, 8)]
+    seen = simulate(jobs, SimConfig(policy="tidal", nodes=2, jitter=0.0))
+    hidden = Simulation(jobs, SimConfig(policy="tidal", nodes=2, jitter=0.0, queue="hidden"))
+    report = hidden.run()
+    assert seen["scale_downs"] == 1 and report["scale_downs"] == 0
+    assert hidden.jobs[1].start == hidden.jobs[0].end > 5000 + seen["queue_mean_s"]
+    assert list(hidden.arrivals.times) == [hidden.jobs[1].start]  # seen when its pods are
+    with pytest.raises(ValueError, match="queue must be"):
+        SimConfig(policy="tidal", nodes=1, queue="kueue")
+
+
+def test_beaten_on_both_counts_means_as_good_on_both_and_better_on_one():
+    tidal = {"jct_speedup": 2.0, "queue_ratio": 0.8}
+
+    def beaten(jct: float, queue: float | None, mine: dict = tidal) -> bool:
+        return beaten_by({"tidal": mine, "greedy": {"jct_speedup": jct,
+                                                    "queue_ratio": queue}}) == ["greedy"]
+
+    assert beaten(2.1, 0.8) and beaten(2.0, 0.79)  # faster, or kinder, beyond half a percent
+    assert not beaten(2.009, 0.7965)  # within half a percent on both: a tie
+    assert beaten(2.011, 0.803)  # faster beyond it, as kind within it
+    assert not beaten(2.2, 0.81)  # faster, but less kind beyond half a percent
+    assert not beaten(1.9, 0.5)  # kinder, but slower
+    assert not beaten(3.0, None)  # no finite queue ratio: the least kind of all
+    assert beaten(2.0, 0.8, {"jct_speedup": 1.9, "queue_ratio": None})
+    assert beaten_by({"tidal": tidal}) == []  # no peer ran
+
+
+def test_a_policy_that_never_lends_is_beaten_on_a_trace_with_room():
+    """One elastic job of one node on four, and one-GPU jobs every 10 minutes that always
+    find room: every policy that lends is faster and none queues anything. Tidal at its
+    threshold lends too and beats the restarts; at 0.999999 it never lends, and is beaten."""
+    jobs = [*(job(i, 600 * i, 100, 1) for i in range(1, 90)), job(0, 3000, 50000, 8, "small")]
+    runs = compare(jobs, 4, elastic="pp", jitter=0.0)
+    reports = {n: o.report for n, o in runs.items()}
+    assert {r["queue_ratio"] for r in reports.values()} == {1.0}
+    assert reports["tidal"]["jct_speedup"] > reports["greedy"]["jct_speedup"] > 1.0
+    assert beaten_by(reports) == []
+    never = tradeoff(jobs, 4, [0.999999], reports["static"], elastic="pp", jitter=0.0)[0]
+    assert never["jct_speedup"] == 1.0
+    assert beaten_by({**reports, "tidal": never}) == ["greedy", "flextrain"]
 
 
 def test_sim_command_writes_the_report(tmp_path):

@@ -77,3 +77,18 @@ def test_the_status_layout_is_the_planners_layout_on_the_wire():
     # What Layout refuses, the wire refuses too, with its message.
     with pytest.raises(ValidationError, match="needs 4"):
         JobStatus.model_validate({"layout": {**wire["layout"], "partition": [3, 3]}})
+
+
+def test_scale_table_columns_are_its_rows_and_not_on_the_wire():
+    text = (ROOT / "examples" / "scale-tables" / "flextrain-small-pp.json").read_text()
+    table = ScaleTable.model_validate_json(text)
+    workers, tps, steps = table.columns
+    assert workers == tuple(r.workers for r in table.rows)
+    assert tps == tuple(r.tokens_per_second for r in table.rows)
+    assert steps == tuple(r.step_seconds for r in table.rows)
+    assert "columns" not in table.model_dump() and "_columns" not in table.model_dump_json()
+    assert table == ScaleTable.model_validate_json(text)  # compared by fields only
+    shorter = table.model_copy(update={"rows": table.rows[:2]})  # no validation: read afresh
+    assert shorter.columns[0] == workers[:2]
+    made = ScaleTable.model_construct(**{k: getattr(table, k) for k in ScaleTable.model_fields})
+    assert made.columns == table.columns
