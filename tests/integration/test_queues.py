@@ -120,7 +120,7 @@ def test_a_workload_waiting_for_admission_gets_the_gpus_and_its_pods_take_them(c
 def test_a_pod_group_held_by_kueues_gate_gets_the_gpus_once(cluster):
     """Kueue's plain-pod group: the gated pods count, their Workload (owned by them) not. The
     job could go down to 1 worker: counted twice, the group would take 3 GPUs from it."""
-    api, _, emu = cluster
+    api, operator, emu = cluster
     for crd in queue_crds("kueue"):
         emu.call(emu.emulator.create, crd)
     leader = grown(api, "early", {1: 60.0, **TABLE})
@@ -140,8 +140,21 @@ def test_a_pod_group_held_by_kueues_gate_gets_the_gpus_once(cluster):
                              "name": "main", "count": 2, "template": {"spec": {"containers": [
                                  {"name": "main", "image": "busybox", "resources": {
                                      "limits": {"nvidia.com/gpu": 1}}}]}}}]}}))
-    # 2 GPUs, not 4: the Workload of the gated pods is not counted beside them
-    gives_back(leader, "default/pg-0")
+    # 2 GPUs, not 4: the Workload of the gated pods is not counted beside them. A round may
+    # see the group's pods together (one target) or one at a time (a target each).
+    generation, released = leader.status()["target"]["generation"], []
+    while len(released) < 2:
+        wait_for("a scale-down target", lambda g=generation: leader.status()[
+            "target"]["generation"] > g, seen=leader.status)
+        target = leader.apply()
+        assert target["reason"] == "PendingGPUPods", target
+        generation, released = target["generation"], released + target["release"]
+    assert (target["workers"], len(released)) == (2, 2), target
+    assert any("default/pg-0" in message for reason, message in events_of(api, "early")
+               if reason == "ScaleDown")
+    wait_for("the released pods deleted", lambda: len(pods_of(api, "early")) == 2)
+    operator.await_rounds()
+    assert leader.status()["target"]["generation"] == generation  # and no more after
     assert [node_of(api, f"pg-{i}") for i in range(2)] == [None, None]  # gated
 
     admit(api, "pg", count=2, gpus=1)
@@ -150,7 +163,7 @@ def test_a_pod_group_held_by_kueues_gate_gets_the_gpus_once(cluster):
                   namespace=NS, patch_type=PatchType.JSON)
     for i in range(2):
         wait_for(f"pg-{i} bound", lambda i=i: node_of(api, f"pg-{i}"))
-    assert leader.status()["target"]["generation"] == 2
+    assert leader.status()["target"]["generation"] == generation
 
 
 def test_a_pending_podgroup_gets_the_gpus_and_its_pods_take_them(cluster):
