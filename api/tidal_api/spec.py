@@ -312,7 +312,7 @@ class ScalingSpec(Spec):
         "toward loadedThreshold."
     )
     loaded_threshold: float = Field(
-        0.95, ge=0, le=1, description="The least the threshold slides to as the cluster "
+        0.9, ge=0, le=1, description="The least the threshold slides to as the cluster "
         "fills: the share of its GPUs owed (non-elastic pods' and every elastic job's "
         "minimum), smoothed over the arrival window, raises the risk taken in proportion to "
         "how long a queue that load makes anyway, share / (1 - share), and the threshold is "

@@ -170,7 +170,7 @@ class ElasticJob:
     scale_table: ScaleTable | None = None
     enabled: bool = True
     probability_threshold: float = 0.6
-    loaded_threshold: float = 0.95  # where the threshold slides on a loaded cluster
+    loaded_threshold: float = 0.9  # where the threshold slides on a loaded cluster
     min_gain: float = 0.05
     arrival_window_seconds: float | None = None  # None: the snapshot's window
     cooldown_seconds: float = 60.0

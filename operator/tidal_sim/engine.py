@@ -85,8 +85,8 @@ class SimConfig:
     # whose leavers' keepers stay frees their GPUs at the step boundary
     peer_snapshots: bool = False
     threshold: float = DEFAULT_THRESHOLD  # tidal's probabilityThreshold
-    # every policy's loadedThreshold: a threshold above it slides toward it as the cluster
-    # fills (greedy's 0 and flextrain's 0.6 do not)
+    # tidal's loadedThreshold: its threshold slides toward it as the cluster fills (the
+    # peers hold theirs)
     loaded_threshold: float = DEFAULT_LOADED_THRESHOLD
     # elastic jobs (not static's) may start with this fraction of their request (0: off)
     start_below: float = 0.0
@@ -412,13 +412,15 @@ class Simulation:
         job.step_s = self.tables[job.trace.size].rows[0].step_seconds
         job.before = m
         greedy = self.config.policy == "greedy"
+        threshold = THRESHOLDS.get(self.config.policy, self.config.threshold)
         job.spec = ElasticJob(
             key=job.key, min_workers=table.min_workers, max_workers=table.max_workers,
             max_scale_factor=-(-table.max_workers // table.min_workers), workers=m,
             gpus_per_worker=GPUS_PER_NODE, members=tuple(p.key for p in job.pods),
             scale_table=table, switch_seconds=self._base_pause(job),
-            probability_threshold=THRESHOLDS.get(self.config.policy, self.config.threshold),
-            loaded_threshold=self.config.loaded_threshold,
+            probability_threshold=threshold,
+            loaded_threshold=threshold if greedy or self.config.policy == "flextrain"
+            else self.config.loaded_threshold,
             min_gain=0.0 if greedy else 0.05, cooldown_seconds=0.0 if greedy else 60.0,
         )
         self.owed += job.spec.min_workers * job.spec.gpus_per_worker
