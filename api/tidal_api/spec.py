@@ -313,10 +313,11 @@ class ScalingSpec(Spec):
     )
     loaded_threshold: float = Field(
         0.9, ge=0, le=1, description="The least the threshold slides to as the cluster "
-        "fills: the share of its GPUs owed (non-elastic pods' and every elastic job's "
-        "minimum), smoothed over the arrival window, raises the risk taken in proportion to "
-        "how long a queue that load makes anyway, share / (1 - share), and the threshold is "
-        "never above probabilityThreshold (at or below this one: no slide)."
+        "fills: with load the share of its GPUs owed (non-elastic pods' and every elastic "
+        "job's minimum) smoothed over the arrival window, a scale-up may take the risk "
+        "0.06 x load / (1 - load) (as the queue that load makes anyway grows), never above "
+        "probabilityThreshold's and never below this one's. A probabilityThreshold at or "
+        "below this does not slide."
     )
     min_gain: float = Field(
         0.05, ge=0, description="Least relative throughput gain a larger scale-table row must "

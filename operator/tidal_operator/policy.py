@@ -444,8 +444,8 @@ def threshold_at(job: ElasticJob, load: float) -> float:
     job that finishes sooner gives its minimum back to that queue sooner; so the risk taken,
     ``1 - threshold``, may grow as ``QUEUE_RISK x load / (1 - load)``. The threshold is never
     above ``probabilityThreshold``, never below ``loadedThreshold`` (one at or below that does
-    not slide). On the ITP traces (docs/simulator.md) this takes tidal from 0.99 on cluster01
-    (11% used) to 0.95 on the loaded clusters 03 and 04."""
+    not slide). On the ITP traces (docs/simulator.md) it keeps 0.99 for most of cluster01's
+    scale-ups (11% used) and 0.9 for most of cluster03's (median load at a scale-up 0.67)."""
     high = job.probability_threshold
     if high <= job.loaded_threshold or load <= 0:
         return high
