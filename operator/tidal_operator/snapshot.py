@@ -228,14 +228,16 @@ class Snapshot:
     def owed_share(self) -> float:
         """The share of the nodes' GPUs that the cluster owes now: those the bound unfinished
         non-elastic pods hold, and an elastic job's up to its minimum (the workers above it
-        run on lent GPUs). What the cluster would hold with no GPU lent."""
+        run on lent GPUs). What the cluster would hold with no GPU lent. Pods bound to a node
+        the snapshot leaves out (a cordoned one) count no more than its GPUs do."""
+        nodes = {node.name for node in self.nodes}
         total = sum(node.gpus for node in self.nodes)
         if total <= 0:
             return 0.0
         elastic: dict[str, int] = {}
         owed = 0
         for pod in self.pods:
-            if pod.node is None or pod.phase in FINISHED_PHASES:
+            if pod.node not in nodes or pod.phase in FINISHED_PHASES:
                 continue
             if pod.job is None:
                 owed += pod.gpus

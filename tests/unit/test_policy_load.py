@@ -73,7 +73,7 @@ def test_the_load_is_smoothed_over_the_window():
 
 def test_the_share_owed_counts_elastic_jobs_up_to_their_minimum():
     elastic = ElasticJob(key="e", min_workers=2, max_workers=8, workers=5, gpus_per_worker=2)
-    pods = (running("x", "a", 4), waiting("queued", 8),
+    pods = (running("x", "a", 4), waiting("queued", 8), running("cordoned", "c", 8),
             Pod("done", 4, "b", "Succeeded"),
             *(Pod(f"e-{i}", 2, "b", "Running", "e") for i in range(5)))
     snapshot = Snapshot(nodes=(Node("a", 8), Node("b", 16)), pods=pods, jobs=(elastic,))
