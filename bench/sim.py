@@ -15,7 +15,8 @@ a percent on one; issue 39's target is none, on every trace, with every queue ra
     python bench/sim.py [--traces DIR] [--out DIR] [--doc FILE] [--section sim]
                         [--json FILE] [--seed 0] [--load 0.8] [--share 0.3]
                         [--cluster default|elasticflow] [--pause-scale 1] [--peer-snapshots]
-                        [--threshold 0.99] [--tradeoff 0.6,0.9,0.99] [--start-below 0.25]
+                        [--threshold 0.99] [--loaded-threshold 0.9]
+                        [--tradeoff 0.6,0.9,0.99] [--start-below 0.25]
                         [--queue pods|workloads|hidden]
 
 ``--load`` and ``--share`` change the defaults of ``tidal sim`` for a sensitivity run;
@@ -26,9 +27,11 @@ released workers' keepers stay, as the agent does with peer snapshots.
 simulated each trace on (ElasticFlow's artifact, ``scheduler/run_fig8b.sh``: 64 nodes of 8
 GPUs, 128 for cluster04/07/08/09, 32 for the others).
 
-``--threshold`` is tidal's ``probabilityThreshold`` (the spec's default otherwise);
-``--tradeoff 0.6,0.9,0.99`` also runs tidal at each of those thresholds and reports its
-geometric-mean JCT speedup and worst queue ratio at each, the trade-off between the two;
+``--threshold`` is tidal's ``probabilityThreshold`` (the spec's default otherwise), which
+slides toward ``--loaded-threshold`` (``loadedThreshold``) as the cluster fills;
+``--tradeoff 0.6,0.9,0.99`` also runs tidal at each of those thresholds, held (no slide),
+and reports its geometric-mean JCT speedup and worst queue ratio at each, the trade-off
+between the two;
 ``--start-below F`` lets elastic jobs start with ``F`` of their request where no more is free;
 ``--queue workloads`` shows queued jobs to the policy as Kueue Workloads' records, not pods,
 and ``--queue hidden`` shows it nothing of a queued non-elastic job until it starts.
@@ -56,7 +59,9 @@ from rich.console import Console  # noqa: E402
 
 from tidal_sim.cli import print_table, run_trace  # noqa: E402
 from tidal_sim.compare import TOLERANCE, beaten_by, tradeoff  # noqa: E402
-from tidal_sim.engine import DEFAULT_THRESHOLD, POLICIES, QUEUES  # noqa: E402
+from tidal_sim.engine import (  # noqa: E402
+    DEFAULT_LOADED_THRESHOLD, DEFAULT_THRESHOLD, POLICIES, QUEUES,
+)
 from tidal_sim.trace import load_trace, mark_elastic  # noqa: E402
 from tidal_sim.plots import write_plots, write_tradeoff  # noqa: E402
 from tidal_sim.trace import DEFAULT_LOAD, DEFAULT_SHARE  # noqa: E402
@@ -153,6 +158,8 @@ def main() -> None:
                         help="tidal's jobs keep peer snapshots (see tidal sim --help)")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
                         help="tidal's probabilityThreshold")
+    parser.add_argument("--loaded-threshold", type=float, default=DEFAULT_LOADED_THRESHOLD,
+                        help="tidal's loadedThreshold (its --threshold: no slide)")
     parser.add_argument("--start-below", type=float, default=0.0,
                         help="elastic jobs may start with this fraction of their request")
     parser.add_argument("--tradeoff", default="",
@@ -176,7 +183,9 @@ def main() -> None:
                            peer_snapshots=args.peer_snapshots, start_below=args.start_below,
                            queue=args.queue)
             report, runs = run_trace(trace, load=args.load, share=args.share, nodes=nodes,
-                                     threshold=args.threshold, console=console, **options)
+                                     threshold=args.threshold,
+                                     loaded_threshold=args.loaded_threshold, console=console,
+                                     **options)
             report["seconds"] = time.perf_counter() - started  # all four policies
             jobs = mark_elastic(load_trace(trace), share=args.share)
             report["tradeoff"] = tradeoff(jobs, report["nodes"], thresholds,
@@ -212,6 +221,7 @@ def main() -> None:
         "benchmark": "sim", "seed": args.seed, "load": args.load, "share": args.share,
         "cluster": args.cluster, "pause_scale": args.pause_scale,
         "peer_snapshots": args.peer_snapshots, "threshold": args.threshold,
+        "loaded_threshold": args.loaded_threshold,
         "start_below": args.start_below, "queue": args.queue,
         "traces": [t.name for t in traces],
         "targets": TARGETS, "summary": summary,

@@ -308,7 +308,16 @@ class ScalingSpec(Spec):
         "exp(-rate x overhead / gain), exceeds this, and take the last free GPUs only if the "
         "probability that no non-elastic pod needing them arrives within the release latency "
         "(a step and a switch) exceeds it too. Lower values scale up more and make non-elastic "
-        "pods wait more (docs/simulator.md has the trade-off)."
+        "pods wait more (docs/simulator.md has the trade-off). On a loaded cluster it slides "
+        "toward loadedThreshold."
+    )
+    loaded_threshold: float = Field(
+        0.9, ge=0, le=1, description="The least the threshold slides to as the cluster "
+        "fills: with load the share of its GPUs owed (non-elastic pods' and every elastic "
+        "job's minimum) smoothed over the arrival window, a scale-up may take the risk "
+        "0.06 x load / (1 - load) (as the queue that load makes anyway grows), never above "
+        "probabilityThreshold's and never below this one's. A probabilityThreshold at or "
+        "below this does not slide."
     )
     min_gain: float = Field(
         0.05, ge=0, description="Least relative throughput gain a larger scale-table row must "

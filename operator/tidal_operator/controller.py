@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,7 +30,7 @@ from tidal_operator import builders
 from tidal_operator.adapter import Adapter, ApiUnavailable, rfc3339
 from tidal_operator.lifecycle import Lifecycle, condition
 from tidal_operator.metrics import Metrics
-from tidal_operator.policy import Decision, decide
+from tidal_operator.policy import Decision, Load, decide
 from tidal_operator.queues import SOURCES, PodGroup, podgroup_demand, source_of
 from tidal_operator.snapshot import (
     FINISHED_PHASES,
@@ -94,6 +94,9 @@ class Controller:
     # non-elastic GPU pod -> (created, GPUs): the arrivals seen, which each job's status keeps
     _arrivals: dict[str, tuple[float, int]] = field(default_factory=dict)
     _parsed: dict[tuple[str, str], ElasticTrainingJob | str] = field(default_factory=dict)
+    # the share of GPUs owed, smoothed over the rounds (the scale-up threshold's load); kept in
+    # memory only: a restarted operator begins again from the share it sees
+    _load: Load = field(default_factory=Load)
     last_round: float = 0.0
 
     def __post_init__(self) -> None:
@@ -178,9 +181,10 @@ class Controller:
         self._see_arrivals(views, pods, now - window)
         jobs = tuple(self._elastic_job(v) for v in views.values())
         arrivals = sorted(self._arrivals.values())
-        return Snapshot(nodes=nodes, pods=pods + self.queued(), jobs=jobs,
-                        arrivals=tuple(t for t, _ in arrivals), window_seconds=window,
-                        arrival_gpus=tuple(g for _, g in arrivals))
+        snapshot = Snapshot(nodes=nodes, pods=pods + self.queued(), jobs=jobs,
+                            arrivals=tuple(t for t, _ in arrivals), window_seconds=window,
+                            arrival_gpus=tuple(g for _, g in arrivals))
+        return replace(snapshot, load=self._load.observe(now, snapshot.owed_share(), window))
 
     def queued(self) -> tuple[Pod, ...]:
         """The pending pods of the jobs that wait in a batch queue (see
@@ -247,6 +251,7 @@ class Controller:
             releasing=tuple(f"{view.namespace}/{n}" for n in target.release) if target else (),
             scale_table=status.scale_table,
             probability_threshold=spec.scaling.probability_threshold,
+            loaded_threshold=spec.scaling.loaded_threshold,
             min_gain=spec.scaling.min_gain,
             arrival_window_seconds=spec.scaling.arrival_window_seconds,
             cooldown_seconds=spec.scaling.cooldown_seconds,

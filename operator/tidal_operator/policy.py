@@ -30,7 +30,9 @@ pending: a scale-down releasing it, by the scale-down's rules.
 **Scale up** only when no pod is pending, GPUs are idle and no elastic worker pod waits for a
 node (GPUs promised to a joiner are not counted twice), first to the job whose completion time
 gains most per GPU, leaving the last free GPUs where an arrival that needs them is likely
-within the release latency (the headroom); see :func:`_scale_up` and :func:`_headroom`.
+within the release latency (the headroom); see :func:`_scale_up` and :func:`_headroom`. Both
+price their bets at the job's threshold for how loaded the cluster has been
+(:func:`threshold_at`).
 
 Both count only the nodes a pod may run on (:class:`~tidal_operator.snapshot.Placement`: its
 node selector, and tolerations for the nodes' NoSchedule and NoExecute taints): a job's new
@@ -55,6 +57,8 @@ PENDING_GPU_PODS = "PendingGPUPods"
 BELOW_MINIMUM = "BelowMinimum"
 STRAGGLER = "Straggler"
 STARTED = "Initial"
+# The risk a scale-up may take per unit of share / (1 - share) of the GPUs owed (threshold_at)
+QUEUE_RISK = 0.06
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -291,7 +295,7 @@ def _scale_up(snapshot: Snapshot, free: FreeGPUs, now: float,
                 stale.idle == free.idle or free.idle >= stale.steady):
             return stale
         return scale_up_offer(job, reach, free.idle, allowed, arrivals, snapshot.window_seconds,
-                              now)
+                              now, snapshot.load)
 
     queue = [o.rank() for job in snapshot.jobs
              if job.key not in skip and (o := offer(job)) is not None]
@@ -330,6 +334,7 @@ class Offer:
     gain: float  # tokens/s over the current row's, less one
     per_gpu: float
     probability: float
+    threshold: float  # the job's at the cluster's load (threshold_at)
     rate: float  # non-elastic arrivals per second
     overhead: float
 
@@ -350,13 +355,14 @@ class Offer:
                 f"{idle} GPUs idle and no GPU pod pending: {len(nodes)} new workers on "
                 f"{placed(nodes)}, {self.gain:+.1%} tokens/s; P(idle window outlasts "
                 f"{self.overhead:.3g} s of switching) = {self.probability:.2f} > "
-                f"{job.probability_threshold:.2f} at {self.rate * 3600:.2f} arrivals/h"
+                f"{self.threshold:.2f} at {self.rate * 3600:.2f} arrivals/h"
             ),
         )
 
 
 def scale_up_offer(job: ElasticJob, reach: int, idle: int, allowed: frozenset[str] | None,
-                   arrivals: Arrivals, window: float, now: float) -> Offer | None:
+                   arrivals: Arrivals, window: float, now: float, load: float = 0.0
+                   ) -> Offer | None:
     """The job's scale-up, or None. The rows above its count up to ``reach`` (its cap,
     maxWorkers and maxScaleFactor x minWorkers, and as far as new workers fit on the idle GPUs
     of the nodes its placement allows, each worker on one node, best fit) are the candidates;
@@ -364,7 +370,8 @@ def scale_up_offer(job: ElasticJob, reach: int, idle: int, allowed: frozenset[st
     row must gain at least ``minGain`` and pass the Poisson rule: non-elastic pods arrive at
     rate ``r`` (counted over the job's arrival window, else the snapshot's), so the idle window
     ``T`` is exponential and the scale-up pays when ``g x T > overhead``, with probability
-    ``P = exp(-r x overhead / g)``, which must exceed ``probabilityThreshold``. The overhead is
+    ``P = exp(-r x overhead / g)``, which must exceed the threshold (``probabilityThreshold``
+    at the cluster's smoothed ``load``: :func:`threshold_at`). The overhead is
     *two* switches, ``2 x switch_seconds``: the window ends with the arrival that takes the
     GPUs back, and that scale-down pauses the job as long as this scale-up does. ``P`` and the
     gain both grow with throughput, so no smaller candidate passes where the chosen one fails.
@@ -380,8 +387,9 @@ def scale_up_offer(job: ElasticJob, reach: int, idle: int, allowed: frozenset[st
     if here < 0 or last < first:
         return None
     window = job.arrival_window_seconds or window
+    threshold = threshold_at(job, load)
     top = last
-    last = _headroom(job, rows, first, last, idle, arrivals, now, window)
+    last = _headroom(job, rows, first, last, idle, arrivals, now, window, threshold)
     if last < first:
         return None
     steady = math.inf
@@ -397,31 +405,73 @@ def scale_up_offer(job: ElasticJob, reach: int, idle: int, allowed: frozenset[st
     rate = arrivals.rate(now, window)
     overhead = 2 * job.switch_seconds
     probability = math.exp(-rate * overhead / gain)
-    if probability <= job.probability_threshold:
+    if probability <= threshold:
         return None
     per_gpu = gain / ((rows.workers[best] - job.workers) * job.gpus_per_worker)
     return Offer(job=job, allowed=allowed, reach=reach, idle=idle, steady=steady,
                  to_workers=rows.workers[best], gain=gain, per_gpu=per_gpu,
-                 probability=probability, rate=rate, overhead=overhead)
+                 probability=probability, threshold=threshold, rate=rate, overhead=overhead)
 
 
 def _headroom(job: ElasticJob, rows: Rows, first: int, last: int, idle: int,
-              arrivals: Arrivals, now: float, window: float) -> int:
+              arrivals: Arrivals, now: float, window: float, threshold: float) -> int:
     """The last candidate row that leaves enough GPUs free. A scale-up does not take the last
     free GPUs where a non-elastic arrival that needs them is likely within the release latency
     (the wait for the job's step boundary, at most a step, then the drain, a switch), priced as
     the scale-up rule prices its window: the arrivals are Poisson at the rate over the job's
     window, counting only those that the idle GPUs would hold and what the row leaves free
     would not, and ``P(none within the latency) = exp(-rate x latency)`` must exceed
-    ``probabilityThreshold``. (An arrival of unknown size counts as one GPU, the least.)"""
+    ``threshold``. (An arrival of unknown size counts as one GPU, the least.)"""
     latency = rows.step_s[rows.at_most(job.workers)] + job.switch_seconds
     while last >= first:
         left = idle - (rows.workers[last] - job.workers) * job.gpus_per_worker
         rate = arrivals.rate_needing(left, idle, now, window)
-        if math.exp(-rate * latency) > job.probability_threshold:
+        if math.exp(-rate * latency) > threshold:
             break
         last -= 1
     return last
+
+
+def threshold_at(job: ElasticJob, load: float) -> float:
+    """The job's probability threshold on a cluster whose GPUs have lately been ``load``
+    owed (:attr:`Snapshot.load`): ``probabilityThreshold``, slid toward ``loadedThreshold``.
+
+    Why it slides: a scale-up that loses its bet makes a non-elastic pod wait for a step and
+    a switch, and what that wait costs depends on the wait the pod has anyway. On a lightly
+    used cluster pods barely queue, so every wait for a lent GPU is one they never had: the
+    spec's threshold holds. On a loaded cluster they queue anyway, about as long as
+    ``load / (1 - load)`` says (an M/M/1 queue's length at that utilisation), and an elastic
+    job that finishes sooner gives its minimum back to that queue sooner; so the risk taken,
+    ``1 - threshold``, may grow as ``QUEUE_RISK x load / (1 - load)``. The threshold is never
+    above ``probabilityThreshold``, never below ``loadedThreshold`` (one at or below that does
+    not slide). On the ITP traces (docs/simulator.md) it keeps 0.99 for most of cluster01's
+    scale-ups (11% used) and 0.9 for most of cluster03's (median load at a scale-up 0.67)."""
+    high = job.probability_threshold
+    if high <= job.loaded_threshold or load <= 0:
+        return high
+    risk = QUEUE_RISK * load / (1 - load) if load < 1 else math.inf
+    return max(job.loaded_threshold, min(high, 1 - risk))
+
+
+@dataclass(slots=True)
+class Load:
+    """:meth:`Snapshot.owed_share` smoothed exponentially over a window, across rounds: how
+    loaded the cluster has lately been (:func:`threshold_at`), not how full it is this second.
+    The operator keeps one (a restarted one begins again from the share it sees), the
+    simulator one per run."""
+
+    share: float | None = None
+    at: float = 0.0
+
+    def observe(self, now: float, share: float, window: float) -> float:
+        """Blend in ``share``, the share owed since the last observation; the smoothed one."""
+        if self.share is None:
+            self.share = share
+        else:
+            keep = math.exp(-max(now - self.at, 0.0) / window)
+            self.share = keep * self.share + (1 - keep) * share
+        self.at = now
+        return self.share
 
 
 def _released(job: Shrinkable) -> Decision:

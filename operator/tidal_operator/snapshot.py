@@ -170,6 +170,7 @@ class ElasticJob:
     scale_table: ScaleTable | None = None
     enabled: bool = True
     probability_threshold: float = 0.6
+    loaded_threshold: float = 0.9  # where the threshold slides on a loaded cluster
     min_gain: float = 0.05
     arrival_window_seconds: float | None = None  # None: the snapshot's window
     cooldown_seconds: float = 60.0
@@ -220,6 +221,31 @@ class Snapshot:
     # The GPUs of each of ``arrivals``, in the same order; empty where unknown (each then
     # counts as one GPU, the least a GPU pod asks for).
     arrival_gpus: tuple[int, ...] = ()
+    # The share of the nodes' GPUs owed (owed_share), smoothed over the window by the
+    # operator across rounds (tidal_operator.policy.Load): how loaded the cluster is.
+    load: float = 0.0
+
+    def owed_share(self) -> float:
+        """The share of the nodes' GPUs that the cluster owes now: those the bound unfinished
+        non-elastic pods hold, and an elastic job's up to its minimum (the workers above it
+        run on lent GPUs). What the cluster would hold with no GPU lent. Pods bound to a node
+        the snapshot leaves out (a cordoned one) count no more than its GPUs do."""
+        nodes = {node.name for node in self.nodes}
+        total = sum(node.gpus for node in self.nodes)
+        if total <= 0:
+            return 0.0
+        elastic: dict[str, int] = {}
+        owed = 0
+        for pod in self.pods:
+            if pod.node not in nodes or pod.phase in FINISHED_PHASES:
+                continue
+            if pod.job is None:
+                owed += pod.gpus
+            else:
+                elastic[pod.job] = elastic.get(pod.job, 0) + pod.gpus
+        minimum = {job.key: job.min_workers * job.gpus_per_worker for job in self.jobs}
+        owed += sum(min(gpus, minimum.get(key, gpus)) for key, gpus in elastic.items())
+        return min(owed / total, 1.0)
 
     def used_gpus(self) -> dict[str, int]:
         """GPUs held on each node by the pods bound to it that have not finished."""

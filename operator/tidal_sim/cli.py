@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from tidal_sim.compare import Outcome, beaten_by, compare, tradeoff
-from tidal_sim.engine import DEFAULT_THRESHOLD, POLICIES, QUEUES
+from tidal_sim.engine import DEFAULT_LOADED_THRESHOLD, DEFAULT_THRESHOLD, POLICIES, QUEUES
 from tidal_sim.trace import (
     DEFAULT_LOAD, DEFAULT_SHARE, GPUS_PER_NODE, default_nodes, load_trace, mark_elastic,
 )
@@ -56,7 +56,8 @@ def elastic_rule(share: float) -> str:
 def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
               share: float = DEFAULT_SHARE, load: float = DEFAULT_LOAD, nodes: int | None = None,
               seed: int = 0, pause_scale: float = 1.0, peer_snapshots: bool = False,
-              threshold: float = DEFAULT_THRESHOLD, start_below: float = 0.0,
+              threshold: float = DEFAULT_THRESHOLD,
+              loaded_threshold: float = DEFAULT_LOADED_THRESHOLD, start_below: float = 0.0,
               queue: str = "pods", tradeoff_at: tuple[float, ...] = (),
               console: Console | None = None) -> tuple[dict, dict[str, Outcome]]:
     """Simulate ``policies`` (and static) over one trace with a progress bar per policy, and
@@ -83,6 +84,7 @@ def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
             options = dict(elastic=elastic, seed=seed, pause_scale=pause_scale,
                            peer_snapshots=peer_snapshots, start_below=start_below, queue=queue)
             runs = compare(jobs, nodes, policies=policies, threshold=threshold,
+                           loaded_threshold=loaded_threshold,
                            progress=lambda n, f: progress.update(bars[n], completed=f),
                            **options)
             curve = tradeoff(jobs, nodes, list(tradeoff_at), runs["static"].report, **options)
@@ -93,7 +95,8 @@ def run_trace(trace_path: Path, *, policies=POLICIES, elastic: str = "pp",
         "gpus": GPUS_PER_NODE * nodes,
         "elastic": elastic, "seed": seed, "share": share, "load": load,
         "pause_scale": pause_scale, "peer_snapshots": peer_snapshots,
-        "threshold": threshold, "start_below": start_below, "queue": queue, "tradeoff": curve,
+        "threshold": threshold, "loaded_threshold": loaded_threshold,
+        "start_below": start_below, "queue": queue, "tradeoff": curve,
         "jobs": len(jobs), "elastic_jobs": sum(1 for j in jobs if j.size),
         "elastic_rule": elastic_rule(share),
         "ceiling_jct_speedup": runs["static"].ceiling_speedup,
@@ -159,7 +162,13 @@ def print_table(report: dict, console: Console) -> None:
 @click.option("--threshold", type=click.FloatRange(0, 1, max_open=True),
               default=DEFAULT_THRESHOLD, show_default=True,
               help="tidal's scaling.probabilityThreshold: the Poisson rule's and the headroom "
-                   "rule's (flextrain keeps its 0.6, greedy has none).")
+                   "rule's (flextrain keeps its 0.6, greedy has none), on a lightly used "
+                   "cluster.")
+@click.option("--loaded-threshold", type=click.FloatRange(0, 1, max_open=True),
+              default=DEFAULT_LOADED_THRESHOLD, show_default=True,
+              help="tidal's scaling.loadedThreshold: its threshold slides toward this one as "
+                   "the share of GPUs owed, smoothed over the arrival window, grows (the "
+                   "--threshold itself: no slide).")
 @click.option("--tradeoff", "tradeoff_at", callback=_thresholds, default="",
               help="Comma-separated thresholds to run tidal at besides, e.g. "
                    "0.6,0.9,0.99,0.999: its JCT speedup and queue ratio at each.")
@@ -181,12 +190,14 @@ def print_table(report: dict, console: Console) -> None:
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write PNGs here: normalised JCT and queue time, queue-time CDF, GPUs.")
 def sim(trace_path, policies, elastic, share, load, nodes, pause_scale, peer_snapshots,
-        threshold, tradeoff_at, start_below, queue, seed, report_path, plots_dir) -> None:
+        threshold, loaded_threshold, tradeoff_at, start_below, queue, seed, report_path,
+        plots_dir) -> None:
     """Simulate the scaling policies over a job trace on a simulated clock."""
     report, runs = run_trace(trace_path, policies=policies, elastic=elastic, share=share,
                              load=load, nodes=nodes, seed=seed, pause_scale=pause_scale,
                              peer_snapshots=peer_snapshots, threshold=threshold,
-                             start_below=start_below, queue=queue, tradeoff_at=tradeoff_at)
+                             loaded_threshold=loaded_threshold, start_below=start_below,
+                             queue=queue, tradeoff_at=tradeoff_at)
     # A pipe or file gets the whole table, not one squeezed into 80 columns.
     print_table(report, Console() if sys.stdout.isatty() else Console(width=160))
     if report_path is not None:

@@ -56,12 +56,13 @@ def compare(jobs: list[TraceJob], nodes: int, policies=POLICIES,
 def tradeoff(jobs: list[TraceJob], nodes: int, thresholds: list[float], static: dict,
              **options) -> list[dict]:
     """tidal's elastic JCT speedup and non-elastic queue ratio (over ``static``'s report) at
-    each of ``thresholds``, the Poisson rule's and the headroom rule's ``probabilityThreshold``:
-    the price in queueing of each step towards faster elastic jobs."""
+    each of ``thresholds``, the Poisson rule's and the headroom rule's ``probabilityThreshold``,
+    held there whatever the load (``loadedThreshold`` the same: no slide): the price in
+    queueing of each step towards faster elastic jobs."""
     out = []
     for threshold in thresholds:
         report = Simulation(jobs, SimConfig(policy="tidal", nodes=nodes, threshold=threshold,
-                                            **options)).run()
+                                            loaded_threshold=threshold, **options)).run()
         _ratios(report, static)
         out.append({"threshold": threshold, "jct_speedup": report["jct_speedup"],
                     "queue_ratio": report["queue_ratio"]})

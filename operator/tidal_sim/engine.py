@@ -51,7 +51,7 @@ from statistics import fmean
 
 from tidal_api.spec import ScalingSpec
 from tidal_operator.capacity import FreeGPUs
-from tidal_operator.policy import Arrivals, decide, scale_up_offer, start_workers
+from tidal_operator.policy import Arrivals, Load, decide, scale_up_offer, start_workers
 from tidal_plan.keepers import keepers_stay
 from tidal_sim.tables import TABLES_DIR, job_table, load_tables
 from tidal_sim.trace import GPUS_PER_NODE, TraceJob
@@ -66,6 +66,7 @@ RESTART_SAVE_FRACTION = 0.5  # a restart frees the GPUs it gives up once its che
 # spec's default (settable: SimConfig.threshold, for the trade-off of JCT against queue).
 THRESHOLDS = {"greedy": 0.0, "flextrain": 0.6}
 DEFAULT_THRESHOLD = ScalingSpec.model_fields["probability_threshold"].default
+DEFAULT_LOADED_THRESHOLD = ScalingSpec.model_fields["loaded_threshold"].default
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +85,9 @@ class SimConfig:
     # whose leavers' keepers stay frees their GPUs at the step boundary
     peer_snapshots: bool = False
     threshold: float = DEFAULT_THRESHOLD  # tidal's probabilityThreshold
+    # tidal's loadedThreshold: its threshold slides toward it as the cluster fills (the
+    # peers hold theirs)
+    loaded_threshold: float = DEFAULT_LOADED_THRESHOLD
     # elastic jobs (not static's) may start with this fraction of their request (0: off)
     start_below: float = 0.0
     queue: str = "pods"  # how queued jobs show to decide: QUEUES
@@ -98,9 +102,10 @@ class SimConfig:
             raise ValueError(f"queue must be one of {', '.join(QUEUES)}, got {self.queue!r}")
         if (self.nodes < 1 or self.tick_seconds <= 0 or self.jitter < 0
                 or self.pause_scale < 0 or not 0 <= self.threshold < 1
-                or not 0 <= self.start_below <= 1):
+                or not 0 <= self.loaded_threshold < 1 or not 0 <= self.start_below <= 1):
             raise ValueError("need nodes >= 1, tick_seconds > 0, jitter >= 0, pause_scale >= 0, "
-                             "0 <= threshold < 1 and 0 <= start_below <= 1")
+                             "0 <= threshold < 1, 0 <= loaded_threshold < 1 and "
+                             "0 <= start_below <= 1")
 
 
 @dataclass(slots=True)
@@ -185,6 +190,10 @@ class Simulation:
         self.now = 0.0
         self.last = 0.0
         self.held = 0  # GPUs held by pods
+        # GPUs owed (Snapshot.owed_share): the non-elastic pods' and the running elastic
+        # jobs' minimums; and their share smoothed over the window, as the operator keeps it
+        self.owed = 0
+        self.load = Load(0.0)
         self.busy_gpu_seconds = 0.0
         self.timeline: tuple[list[float], list[int]] = ([], [])  # (time, GPUs held) on change
         self.finished = 0
@@ -203,7 +212,7 @@ class Simulation:
             self.push(job.trace.submit, "arrive", job.key)
         by_key = {j.key: j for j in self.jobs}
         if self.jobs:
-            self.now = self.last = self.jobs[0].trace.submit
+            self.now = self.last = self.load.at = self.jobs[0].trace.submit
         elastic = self.config.policy != "static" and any(j.trace.size for j in self.jobs)
         if elastic:
             self.push(self.now + self.config.tick_seconds, "tick")
@@ -245,6 +254,7 @@ class Simulation:
         dt = at - self.last
         if dt > 0:
             self.busy_gpu_seconds += dt * self.held
+            self.load.observe(at, self.owed / self.capacity, self.config.window_seconds)
             for job in self.elastic.values():
                 job.work -= dt * self._rate(job)
         self.now = self.last = at
@@ -283,16 +293,21 @@ class Simulation:
             self._give(pod)
         job.pods = []
         del self.running[job.key]
-        self.elastic.pop(job.key, None)
+        if self.elastic.pop(job.key, None) is not None:
+            self.owed -= job.spec.min_workers * job.spec.gpus_per_worker
         self.finished += 1
 
     def _take(self, pod: Pod) -> None:
         self._move(pod.node, -pod.gpus)
         self.held += pod.gpus
+        if pod.job is None:
+            self.owed += pod.gpus
 
     def _give(self, pod: Pod) -> None:
         self._move(pod.node, pod.gpus)
         self.held -= pod.gpus
+        if pod.job is None:
+            self.owed -= pod.gpus
         self.tried = 0  # GPUs came back: every queued job may fit (_start_fitting)
 
     def _move(self, node: str, gpus: int) -> None:
@@ -397,14 +412,18 @@ class Simulation:
         job.step_s = self.tables[job.trace.size].rows[0].step_seconds
         job.before = m
         greedy = self.config.policy == "greedy"
+        threshold = THRESHOLDS.get(self.config.policy, self.config.threshold)
         job.spec = ElasticJob(
             key=job.key, min_workers=table.min_workers, max_workers=table.max_workers,
             max_scale_factor=-(-table.max_workers // table.min_workers), workers=m,
             gpus_per_worker=GPUS_PER_NODE, members=tuple(p.key for p in job.pods),
             scale_table=table, switch_seconds=self._base_pause(job),
-            probability_threshold=THRESHOLDS.get(self.config.policy, self.config.threshold),
+            probability_threshold=threshold,
+            loaded_threshold=threshold if greedy or self.config.policy == "flextrain"
+            else self.config.loaded_threshold,
             min_gain=0.0 if greedy else 0.05, cooldown_seconds=0.0 if greedy else 60.0,
         )
+        self.owed += job.spec.min_workers * job.spec.gpus_per_worker
 
     def _start_below(self, job: _Job) -> None:
         """A job that may start below its request (``--start-below F``): its fewest workers
@@ -437,7 +456,8 @@ class Simulation:
         the snapshot (every node may take every pod here), which it prices here the same way:
         the job as the snapshot has it (not busy), its reach (its cap, and as many more
         workers as fit on the free GPUs, each on one node: ``FreeGPUs.slots``), the arrivals
-        in the window with their GPUs, and the GPUs idle (the headroom's).
+        in the window with their GPUs, the GPUs idle (the headroom's) and the smoothed share
+        of GPUs owed (the threshold's: ``self.load``, the snapshot's ``load``).
         """
         demand = any(self._shows(job) for job in self.queue)
         for job in self.elastic.values():
@@ -452,7 +472,7 @@ class Simulation:
                 continue
             reach = min(spec.cap, spec.workers + self._slots(spec.gpus_per_worker))
             if scale_up_offer(spec, reach, self.capacity - self.held, None, self.arrivals,
-                              self.config.window_seconds, self.now) is not None:
+                              self.config.window_seconds, self.now, self.load.share) is not None:
                 return True
         return False
 
@@ -478,7 +498,7 @@ class Simulation:
         jobs += [job.spec for job in self.queue if job.spec is not None]  # (see _arrive)
         times, gpus = self.arrivals.within(self.now, self.config.window_seconds)
         return Snapshot(self.nodes, tuple(pods), tuple(jobs), tuple(times),
-                        self.config.window_seconds, tuple(gpus))
+                        self.config.window_seconds, tuple(gpus), self.load.share)
 
     def _apply(self, decisions) -> None:
         for d in decisions:

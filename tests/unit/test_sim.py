@@ -222,6 +222,9 @@ def test_gpus_conserved_jobs_within_bounds_and_all_finish(trace, policy, nodes, 
             assert decide(s._snapshot(), s.now) == ()
         held = sum(p.gpus for j in s.running.values() for p in j.pods)
         assert held == s.held and held + sum(s.free.values()) == GPUS_PER_NODE * nodes
+        snapshot = s._snapshot()  # the load as the operator computes it, smoothed as it does
+        assert s.owed == round(snapshot.owed_share() * GPUS_PER_NODE * nodes)
+        assert snapshot.load == s.load.share and 0 <= s.load.share <= 1
         for j in s.running.values():
             if j.spec is not None:
                 assert j.spec.min_workers <= j.spec.workers <= j.spec.cap
