@@ -11,7 +11,9 @@ pending pods and queued Kueue Workloads and Volcano PodGroups (:func:`pending_de
 Times ``decide`` over ``--repeat`` runs per scenario and prints JSON, per size: per scenario
 the median, least and worst milliseconds, the decisions made and the time to build the snapshot
 records from plain values; ``median_ms`` is the worse scenario's median, against
-``target_ms`` (50 at either size). The top-level ``median_ms`` is the worst size's.
+``target_ms`` (50 at either size). The top-level ``median_ms`` is the worst size's. Beside
+each scenario, the baseline ``collector_on_median_ms``: the same decisions with the garbage
+collector left on inside the call, as before ``decide`` paused it, timed in the same loop.
 
     python bench/decide.py [--repeat 30] [--seed 0] [--tiny]
 """
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
 
 from tidal_api import DroppedRow, Layout, ScaleRow, ScaleTable  # noqa: E402
-from tidal_operator.policy import decide  # noqa: E402
+from tidal_operator.policy import _decide, decide  # noqa: E402
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot  # noqa: E402
 
 TARGET_MS = 50.0
@@ -165,7 +167,7 @@ def build_snapshot(scenario: str, *, seed: int = 0, **size: int) -> Snapshot:
 
 def measure(scenario: str, size: dict, repeat: int, seed: int) -> dict:
     plain = plain_cluster(scenario, seed=seed, **size)
-    built, decide_ms = [], []
+    built, decide_ms, collected_ms = [], [], []
     for _ in range(repeat):
         started = time.perf_counter()
         snapshot = snapshot_of(plain)
@@ -173,6 +175,12 @@ def measure(scenario: str, size: dict, repeat: int, seed: int) -> dict:
         started = time.perf_counter()
         decisions = decide(snapshot, NOW)
         decide_ms.append((time.perf_counter() - started) * 1e3)
+        # The baseline, side by side: the same work with the garbage collector left on (as
+        # decide ran before it paused it), on a snapshot built the same way just before.
+        snapshot = snapshot_of(plain)
+        started = time.perf_counter()
+        assert _decide(snapshot, NOW) == decisions
+        collected_ms.append((time.perf_counter() - started) * 1e3)
     kinds = [d.kind for d in decisions]
     waiting = [row[0] for row in plain["pods"] if row[2] is None]
     return {
@@ -183,6 +191,10 @@ def measure(scenario: str, size: dict, repeat: int, seed: int) -> dict:
         "min_ms": round(min(decide_ms), 3),  # the least disturbed run, on a shared machine
         "max_ms": round(max(decide_ms), 3),
         "snapshot_ms": round(statistics.median(built), 3),
+        # the collector left on inside the call: its median, and how many times decide's
+        "collector_on_median_ms": round(statistics.median(collected_ms), 3),
+        "collector_on_ratio": round(statistics.median(collected_ms)
+                                    / statistics.median(decide_ms), 2),
         "scale_up": kinds.count("scale_up"),
         "scale_down": kinds.count("scale_down"),
         "workers_added": sum(len(d.nodes) for d in decisions),

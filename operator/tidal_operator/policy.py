@@ -41,10 +41,12 @@ workers go where its pods may, and GPUs are freed for a pending pod only where i
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -87,6 +89,27 @@ class Decision:
 
 def decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
     """The scale decisions for ``snapshot`` at ``now`` (epoch seconds), at most one per job."""
+    with collector_paused():
+        return _decide(snapshot, now)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector held off for the block, then as it was. A decision at
+    10,000 nodes makes tens of thousands of short-lived objects just after the snapshot's
+    hundred thousand: left on, the collector runs 40-50 passes inside the call, some of them
+    over the whole snapshot (150-200 ms each, docs/benchmarks.md). What a decision leaves
+    is freed by reference counting; the collector's next pass, after it, finds the rest."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _decide(snapshot: Snapshot, now: float) -> tuple[Decision, ...]:
     free = {node.name: node.gpus for node in snapshot.nodes}
     pending, workers, joiner_unbound = _tally(snapshot, free)
     where = Where(snapshot)
