@@ -59,7 +59,7 @@ from rich.console import Console  # noqa: E402
 
 from tidal_sim.cli import print_table, run_trace  # noqa: E402
 from tidal_sim.compare import TOLERANCE, beaten_by, tradeoff  # noqa: E402
-from tidal_sim.engine import (  # noqa: E402
+from tidal_sim.config import (  # noqa: E402
     DEFAULT_LOADED_THRESHOLD, DEFAULT_THRESHOLD, POLICIES, QUEUES,
 )
 from tidal_sim.trace import load_trace, mark_elastic  # noqa: E402

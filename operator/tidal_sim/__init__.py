@@ -4,7 +4,8 @@
 policy over it and returns a report dict. Nothing here imports torch, kopf or tidal_agent.
 """
 
-from tidal_sim.engine import POLICIES, SimConfig, simulate
+from tidal_sim.config import POLICIES, SimConfig
+from tidal_sim.engine import simulate
 from tidal_sim.trace import TraceJob, default_nodes, load_trace, mark_elastic
 
 __all__ = ["POLICIES", "SimConfig", "TraceJob", "default_nodes", "load_trace", "mark_elastic",

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from tidal_sim.compare import Outcome, beaten_by, compare, tradeoff
-from tidal_sim.engine import DEFAULT_LOADED_THRESHOLD, DEFAULT_THRESHOLD, POLICIES, QUEUES
+from tidal_sim.config import DEFAULT_LOADED_THRESHOLD, DEFAULT_THRESHOLD, POLICIES, QUEUES
 from tidal_sim.trace import (
     DEFAULT_LOAD, DEFAULT_SHARE, GPUS_PER_NODE, default_nodes, load_trace, mark_elastic,
 )

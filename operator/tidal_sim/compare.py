@@ -12,7 +12,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from tidal_sim.engine import POLICIES, SimConfig, Simulation
+from tidal_sim.config import POLICIES, SimConfig
+from tidal_sim.engine import Simulation
 from tidal_sim.trace import TraceJob
 
 

@@ -15,7 +15,7 @@ from tidal_api.scale import ScaleRow
 from tidal_sim.trace import GPUS_PER_NODE
 
 if TYPE_CHECKING:
-    from tidal_sim.engine import SimConfig
+    from tidal_sim.config import SimConfig
 
 TABLES_DIR = Path(__file__).resolve().parents[2] / "examples" / "scale-tables"
 

@@ -13,7 +13,8 @@ from tidal_operator.policy import decide
 from tidal_plan.keepers import keepers_stay
 from tidal_sim import SimConfig, TraceJob, default_nodes, mark_elastic, simulate
 from tidal_sim.compare import beaten_by, compare, tradeoff
-from tidal_sim.engine import GPUS_PER_NODE, QUEUES, Simulation, job_table, load_tables
+from tidal_sim.config import QUEUES
+from tidal_sim.engine import GPUS_PER_NODE, Simulation, job_table, load_tables
 
 
 def job(i: int, submit: float, duration: float, gpus: int, size: str | None = None) -> TraceJob:
