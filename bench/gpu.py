@@ -102,9 +102,6 @@ TINYLLAMA = {"model_type": "llama", "num_hidden_layers": 22, "hidden_size": 2048
              "vocab_size": 32000, "max_position_embeddings": 2048}
 
 
-SKIPPABLE = {"pp1", "modeled"}  # the parts --skip may leave out: no other part reads them
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Scale:
     """The sizes of one run of the bench: a GPU's, or the CPU's toy ones."""
@@ -149,13 +146,6 @@ class Findings:
 
     def null(self, path: str, reason: str) -> None:
         self.null_reasons[path] = reason
-
-    def part_unless(self, name: str, skip: set[str], measure: Callable[[], Any]) -> Any:
-        """:meth:`part`, or None with its reason where ``--skip`` names it."""
-        if name in skip:
-            self.null(name, "skipped (--skip)")
-            return None
-        return self.part(name, measure)
 
     def part(self, name: str, measure: Callable[[], Any]) -> Any:
         """``measure()``, or None with its error recorded (the other parts still run)."""
@@ -490,16 +480,13 @@ def snapshot_part(runs: dict[str, dict[str, Any] | None], found: Findings,
     if host is None:
         found.null("snapshots.snapshot_bytes", "the runner does not report it")
     reference = runs["pp1"]
-    if reference is None:
-        found.null("snapshots.bitwise_equal", "the pp=1 run failed (errors)")
     return {
         "layout": "pp2", "every_steps": 1, "baseline": "pp2 without snapshots",
         "step_s_without": off, "step_s_with": on, "ratio": on / off,
         "held_s": statistics.median(held) if held else None, "snapshots": len(held),
         "snapshot_bytes": host,
-        "bitwise_equal": None if reference is None else (
-            _hexes(with_) == _hexes(reference)
-            and with_["params_sha256"] == reference["params_sha256"]),
+        "bitwise_equal": (reference is not None and _hexes(with_) == _hexes(reference)
+                          and with_["params_sha256"] == reference["params_sha256"]),
     }
 
 
@@ -683,15 +670,8 @@ def main() -> None:
     parser.add_argument("--plan-device", default=None,
                         help="device description for MFU and the predictor (h100, h200, cpu or "
                              "a JSON file; default: the GPU's by its name, cpu with --tiny)")
-    parser.add_argument("--skip", default="", metavar="PARTS",
-                        help="comma-separated parts not to run, each left null: pp1 (the "
-                             "single-process sides), modeled")
     parser.add_argument("--pp1-strict-side", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
-    if skip - SKIPPABLE:
-        parser.error(f"--skip: unknown part {', '.join(sorted(skip - SKIPPABLE))} "
-                     f"(one of {', '.join(sorted(SKIPPABLE))})")
     started = time.perf_counter()
     cuda = not args.tiny
     if cuda and not torch.cuda.is_available():
@@ -717,10 +697,10 @@ def main() -> None:
     # The worker processes first: the GPU is all theirs, before this process holds any of it.
     runs = pipeline_runs(job, scale, placement, found, profile)
     compute = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    pp1 = found.part_unless("pp1", skip, lambda: pp1_part(scale, compute, backend, peak, found))
+    pp1 = found.part("pp1", lambda: pp1_part(scale, compute, backend, peak, found))
     _free(compute)
-    modeled = found.part_unless(
-        "modeled", skip, lambda: modeled_part(scale, compute, plan_device, profile, found))
+    modeled = found.part("modeled", lambda: modeled_part(scale, compute, plan_device, profile,
+                                                         found))
     scratch.cleanup()
     report = {
         "benchmark": "gpu", "tiny": args.tiny, "device": device,

@@ -33,7 +33,7 @@ from tidal_agent.measure import Clock, Span, synchronize
 from tidal_agent.model import StageModule, Unit, UnitContext
 from tidal_agent.optim import build_adamw
 from tidal_agent.profiler import CALIBRATED
-from tidal_agent.runtime import split_backward, stage_backward_weight
+from tidal_agent.runtime import split_backward
 from tidal_agent.trainer import Trainer
 from tidal_agent.transport import recv, send
 
@@ -156,7 +156,7 @@ def _time_group(stage: StageModule, group: list[Unit], m: int, tokens, opt, cloc
         _, groups = split_backward().stage_backward_input(roots, grads, [x], iter(weights))
         spans["input_grad"] = (started, clock.mark())
         started = clock.mark()
-        stage_backward_weight(weights, groups)
+        split_backward().stage_backward_weight(iter(weights), groups)
     spans["weight_grad"] = (started, clock.mark())
 
     started = clock.mark()

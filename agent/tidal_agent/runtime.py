@@ -4,11 +4,10 @@ It knows nothing about schedules. Every stage is its own autograd island: a stag
 leaf tensor (received, or handed over locally when the previous stage sits on the same rank),
 and its backward yields the gradient of that leaf. Parameter gradients accumulate into ``.grad``
 in the order the backward actions run, which every schedule keeps in micro-batch order. The
-split backward (I then W) is torch.distributed.pipelining's (``stage_backward_input``, a
-private helper of the pinned torch, and :func:`stage_backward_weight`, its W step run on the
-engine directly): W starts from the gradients I captured rather than running the backward
-again, and computes the same numbers as a fused B (the zero-bubble cases of the bitwise tests
-check it).
+split backward (I then W) is torch.distributed.pipelining's (``stage_backward_input`` and
+``stage_backward_weight``, private helpers of the pinned torch): W starts from the gradients
+I captured rather than running the backward again, and computes the same numbers as a fused B
+(the zero-bubble cases of the bitwise tests check it).
 
 Communication is point-to-point and keeps NCCL's rules whatever the transport: the rank's
 plan (tidal_plan.exchanges) groups each run of consecutive SENDs and RECVs into one exchange,
@@ -42,49 +41,6 @@ def split_backward() -> Any:
     from torch.distributed.pipelining import _backward
 
     return _backward
-
-
-def stage_backward_weight(weights: list[torch.nn.Parameter], groups: list[dict]) -> None:
-    """W: the weights' gradients from what I kept (``groups``), accumulated into ``.grad``.
-
-    torch's ``stage_backward_weight`` step for step (the same engine call, the same sums),
-    but handing the engine its output edges directly rather than through
-    ``torch.autograd.grad``: torch 2.11's ``grad`` reads each edge's input metadata to check
-    the gradients' shapes, which a compiled unit's backward node (an ``autograd.Function``)
-    refuses ("Attribute '_input_metadata' is invalid"; seen on CUDA with torch 2.11). The
-    gradients handed over are those I captured at those edges: their shapes are right.
-    """
-    from torch.autograd.graph import GradientEdge, _engine_run_backward
-
-    by_node = {split_backward()._get_grad_fn_or_grad_acc(w): w for w in weights}
-    for group in groups:
-        edges, grads = [], []
-        for captured, node in zip(group["grads"], group["intermediates"], strict=True):
-            for i, grad in enumerate(captured):
-                if grad is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(grad)
-        handles = []
-        try:
-            if len(group["intermediates"]) > 1:  # as torch: no double count through descendants
-                handles = [node.register_prehook(lambda _, sg=captured: sg)
-                           for captured, node in zip(group["grads"], group["intermediates"],
-                                                     strict=True)]
-            del group["intermediates"]  # break the hook -> group -> intermediates cycle
-            if edges:
-                inputs = tuple(GradientEdge(node, 0) for node in group["params"])
-                dweights = _engine_run_backward(tuple(edges), tuple(grads), False, False,
-                                                inputs, True, accumulate_grad=False)
-                del group["grads"]
-                for node, dw in zip(group["params"], dweights, strict=True):
-                    weight = by_node[node]
-                    if weight.grad is None:
-                        weight.grad = dw
-                    else:
-                        weight.grad += dw
-        finally:
-            for handle in handles:
-                handle.remove()
 
 @dataclass(slots=True)
 class _StepState:
@@ -270,7 +226,7 @@ class PipelineRuntime:
             if hooked is not None:  # the first stage: I and W
                 hooked.input_grad_done(s, m, started, hooked.mark())
         else:
-            stage_backward_weight(self._params(s), groups)
+            split_backward().stage_backward_weight(iter(self._params(s)), groups)
             if hooked is not None:
                 hooked.weight_grad_done(s, started, hooked.mark())
         self._release(s, m)
