@@ -22,7 +22,8 @@ Each part below prints its figures beside the baseline it is compared with, as r
 - ``pipeline``: pp 1, 2 and 4 and a live switch 2 -> 3 -> 1 as worker processes on the one
   GPU over ``transport host`` (ranks compute on CUDA and share the GPU, talking over gloo
   through pinned host buffers), in strict mode; each run's losses (``float.hex``) and
-  ``params_sha256`` against pp=1's, and each median step against pp=1's. Their model is
+  ``params_sha256`` against pp=1's, and each median step against pp=1's (``baseline``: where
+  pp=1's run failed, the first of the others that ran). Their model is
   TinyLlama's width (its kernels, attention over 2048 tokens included, are pp1's) and 8 of its
   22 layers: 0.48B parameters, whose training state (7.7 GB) and start-up let the six runs fit
   the time budget while pp=4 still has two decoder layers a stage.
@@ -54,7 +55,10 @@ units and the plain loop alike) with dynamo's ``eager`` backend there unless
 a 2-core machine. A part that fails leaves its key ``null``,
 its error under ``errors``, and the command exits 1 after printing the JSON.
 
+``--skip pp1,modeled`` leaves those parts out (null), for a rerun that fits the time left.
+
     python bench/gpu.py [--tiny] [--compile-backend inductor] [--plan-device h100|h200|FILE]
+                        [--skip pp1,modeled]
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ TINYLLAMA = {"model_type": "llama", "num_hidden_layers": 22, "hidden_size": 2048
              "vocab_size": 32000, "max_position_embeddings": 2048}
 
 
+SKIPPABLE = {"pp1", "modeled"}  # the parts --skip may leave out: no other part reads them
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Scale:
     """The sizes of one run of the bench: a GPU's, or the CPU's toy ones."""
@@ -146,6 +153,13 @@ class Findings:
 
     def null(self, path: str, reason: str) -> None:
         self.null_reasons[path] = reason
+
+    def part_unless(self, name: str, skip: set[str], measure: Callable[[], Any]) -> Any:
+        """:meth:`part`, or None with its reason where ``--skip`` names it."""
+        if name in skip:
+            self.null(name, "skipped (--skip)")
+            return None
+        return self.part(name, measure)
 
     def part(self, name: str, measure: Callable[[], Any]) -> Any:
         """``measure()``, or None with its error recorded (the other parts still run)."""
@@ -412,24 +426,30 @@ def _median_step(report: dict[str, Any]) -> float:
     return statistics.median(s["seconds"] for s in report["steps"][1:])
 
 
+PIPELINE_RUNS = ("pp1", "pp2", "pp4", "switch")
+
+
 def pipeline_part(runs: dict[str, dict[str, Any] | None], config: dict,
                   placement: dict[str, Any], found: Findings) -> dict[str, Any] | None:
-    reference = runs["pp1"]
-    if reference is None:
-        found.null("pipeline", "the pp=1 run failed (errors)")
+    # pp=1's run is the baseline; where it failed, the first of the others that ran, so that
+    # the others are still compared with one another.
+    baseline = next((name for name in PIPELINE_RUNS if runs[name] is not None), None)
+    if baseline is None:
+        found.null("pipeline", "every pipeline run failed (errors)")
         return None
+    reference = runs[baseline]
     base = _median_step(reference)
     out: dict[str, Any] = {
         "transport": reference.get("transport", placement["devices"].transport),
         "device": reference.get("device"), "backend": reference.get("backend"),
-        "config": config, "baseline": "pp1", "steps": len(reference["steps"]),
+        "config": config, "baseline": baseline, "steps": len(reference["steps"]),
         "losses_hex": _hexes(reference), "params_sha256": reference["params_sha256"],
         "runs": {},
     }
     if "device" not in reference:
         found.null("pipeline.device", "the runner does not report it")
         found.null("pipeline.backend", "the runner does not report it")
-    for name in ("pp1", "pp2", "pp4", "switch"):
+    for name in PIPELINE_RUNS:
         run = runs[name]
         if run is None:
             out["runs"][name] = None
@@ -480,13 +500,16 @@ def snapshot_part(runs: dict[str, dict[str, Any] | None], found: Findings,
     if host is None:
         found.null("snapshots.snapshot_bytes", "the runner does not report it")
     reference = runs["pp1"]
+    if reference is None:
+        found.null("snapshots.bitwise_equal", "the pp=1 run failed (errors)")
     return {
         "layout": "pp2", "every_steps": 1, "baseline": "pp2 without snapshots",
         "step_s_without": off, "step_s_with": on, "ratio": on / off,
         "held_s": statistics.median(held) if held else None, "snapshots": len(held),
         "snapshot_bytes": host,
-        "bitwise_equal": (reference is not None and _hexes(with_) == _hexes(reference)
-                          and with_["params_sha256"] == reference["params_sha256"]),
+        "bitwise_equal": None if reference is None else (
+            _hexes(with_) == _hexes(reference)
+            and with_["params_sha256"] == reference["params_sha256"]),
     }
 
 
@@ -670,8 +693,15 @@ def main() -> None:
     parser.add_argument("--plan-device", default=None,
                         help="device description for MFU and the predictor (h100, h200, cpu or "
                              "a JSON file; default: the GPU's by its name, cpu with --tiny)")
+    parser.add_argument("--skip", default="", metavar="PARTS",
+                        help="comma-separated parts not to run, each left null: pp1 (the "
+                             "single-process sides), modeled")
     parser.add_argument("--pp1-strict-side", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    if skip - SKIPPABLE:
+        parser.error(f"--skip: unknown part {', '.join(sorted(skip - SKIPPABLE))} "
+                     f"(one of {', '.join(sorted(SKIPPABLE))})")
     started = time.perf_counter()
     cuda = not args.tiny
     if cuda and not torch.cuda.is_available():
@@ -697,10 +727,10 @@ def main() -> None:
     # The worker processes first: the GPU is all theirs, before this process holds any of it.
     runs = pipeline_runs(job, scale, placement, found, profile)
     compute = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    pp1 = found.part("pp1", lambda: pp1_part(scale, compute, backend, peak, found))
+    pp1 = found.part_unless("pp1", skip, lambda: pp1_part(scale, compute, backend, peak, found))
     _free(compute)
-    modeled = found.part("modeled", lambda: modeled_part(scale, compute, plan_device, profile,
-                                                         found))
+    modeled = found.part_unless(
+        "modeled", skip, lambda: modeled_part(scale, compute, plan_device, profile, found))
     scratch.cleanup()
     report = {
         "benchmark": "gpu", "tiny": args.tiny, "device": device,

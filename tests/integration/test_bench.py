@@ -226,3 +226,13 @@ def test_gpu_bench_reads_the_gpu_figures_where_the_runner_reports_them():
     assert pipeline["bitwise_equal"] is False
     assert set(found.null_reasons) == {"pipeline.device", "pipeline.backend",
                                        "pipeline.runs.pp4"}
+    # pp=1's run failed (as calibration did on CUDA with torch 2.11): the others are still
+    # compared with one another, and the snapshots' bits are unknown, not unequal.
+    runs.update(pp1=None, pp2=run(2, 200, hexes), pp2_snapshots=run(2, 200, hexes))
+    pipeline = gpu.pipeline_part(runs, {}, placement, found)
+    assert pipeline["baseline"] == "pp2" and pipeline["runs"]["pp1"] is None
+    assert pipeline["bitwise_equal"] is True
+    runs["switch"]["steps"][1]["loss_hex"] = "0x1p+5"
+    assert gpu.pipeline_part(runs, {}, placement, found)["bitwise_equal"] is False
+    assert gpu.snapshot_part(runs, found)["bitwise_equal"] is None
+    assert found.null_reasons["snapshots.bitwise_equal"] == "the pp=1 run failed (errors)"
