@@ -56,9 +56,13 @@ a 2-core machine. A part that fails leaves its key ``null``,
 its error under ``errors``, and the command exits 1 after printing the JSON.
 
 ``--skip pp1,modeled`` leaves those parts out (null), for a rerun that fits the time left.
+``--unit-compile off`` trains every run but pp1's sides with eager units (``training.compile``;
+``auto``, the default, compiles on CUDA): under torch 2.11 a profiled run of compiled units
+fails in calibration's split backward, which loses the pp=1 run that ``strict``, ``pipeline``
+and ``modeled``'s efficiency read (docs/limits.md).
 
     python bench/gpu.py [--tiny] [--compile-backend inductor] [--plan-device h100|h200|FILE]
-                        [--skip pp1,modeled]
+                        [--skip pp1,modeled] [--unit-compile auto|on|off]
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -693,6 +697,10 @@ def main() -> None:
     parser.add_argument("--plan-device", default=None,
                         help="device description for MFU and the predictor (h100, h200, cpu or "
                              "a JSON file; default: the GPU's by its name, cpu with --tiny)")
+    parser.add_argument("--unit-compile", choices=("auto", "on", "off"), default="auto",
+                        help="training.compile of every run but pp1's sides (auto: on CUDA); "
+                             "off where compiled units fail, as calibration's split backward "
+                             "does under torch 2.11")
     parser.add_argument("--skip", default="", metavar="PARTS",
                         help="comma-separated parts not to run, each left null: pp1 (the "
                              "single-process sides), modeled")
@@ -709,6 +717,8 @@ def main() -> None:
     backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     backend = None if backend == "none" else backend
     scale = SCALES["tiny" if args.tiny else "gpu"]
+    if args.unit_compile != "auto":
+        scale = replace(scale, training={**scale.training, "compile": args.unit_compile})
     if args.tiny:  # one thread, as every worker: the CPU sides' speed does not hang on the host
         torch.set_num_threads(1)
     if args.pp1_strict_side is not None:  # pp1_part's strict side: this process is its own
@@ -735,6 +745,7 @@ def main() -> None:
     report = {
         "benchmark": "gpu", "tiny": args.tiny, "device": device,
         "plan_device": plan_device,
+        "unit_compile": args.unit_compile,  # training.compile of every run but pp1's sides
         "plan_peak_flops": peak,
         "pp1": pp1,
         "strict": found.part("strict", lambda: strict_part(runs, scale, found)),
