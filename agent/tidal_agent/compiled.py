@@ -16,10 +16,14 @@ the same randomness as an eager one. Strict mode sets inductor's deterministic m
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from typing import Literal
 
 import torch
+
+log = logging.getLogger(__name__)
 
 BACKEND = "inductor"
 # Past this many graphs of one unit class dynamo would run it eagerly, with other bits: a job
@@ -30,8 +34,44 @@ _COMPILED: dict[type, Callable] = {}
 
 
 def enabled(setting: Literal["auto", "on", "off"], device: torch.device) -> bool:
-    """Whether units compile: ``training.compile`` (auto: where the job trains on CUDA)."""
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
+    """Whether units compile: ``training.compile`` (auto: where the job trains on CUDA, and
+    its torch can split a compiled unit's backward, :func:`splits_backward`)."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda"
+                               and splits_backward())
+
+
+@functools.cache
+def splits_backward() -> bool:
+    """Whether this torch can take W from an edge into a compiled unit's backward node, as a
+    split backward does (zero-bubble schedules, and every profile's calibration): a compiled
+    unit's backward node is an ``autograd.Function``'s, whose input metadata torch 2.11's
+    ``autograd.grad`` cannot read (seen on an H200: the profiled run failed); the pinned
+    torch 2.13 reads it. Probed once a process on a one-operation Function, with no compile."""
+    from torch.autograd.graph import GradientEdge
+
+    weight = torch.ones(2, requires_grad=True)
+    with torch.enable_grad():
+        out = _Twice.apply(weight)
+    try:
+        (grad,) = torch.autograd.grad([GradientEdge(out.grad_fn, 0)], [weight],
+                                      grad_outputs=[torch.ones(2)])
+    except RuntimeError as err:
+        log.warning("training.compile auto: units run eagerly: torch %s cannot split a "
+                    "compiled unit's backward (%s)", torch.__version__, str(err)[:120])
+        return False
+    return bool(torch.equal(grad, torch.full((2,), 2.0)))
+
+
+class _Twice(torch.autograd.Function):
+    """``2 x``, as an ``autograd.Function`` (:func:`splits_backward`'s probe)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004 - torch's signature
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return grad * 2
 
 
 def compute(unit_type: type) -> Callable:

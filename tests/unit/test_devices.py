@@ -202,3 +202,30 @@ def test_an_unknown_gpu_is_planned_as_an_h100_with_a_warning(monkeypatch, caplog
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "Tesla T4")
     assert plan_device("cuda") == "h100"
     assert "no device description for GPU 'Tesla T4': planning with h100's" in caplog.text
+
+
+def test_auto_compiles_on_cuda_only_where_torch_splits_a_compiled_backward(monkeypatch):
+    from tidal_agent import compiled
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compiled.splits_backward()  # the pinned torch reads an autograd.Function's edge
+    assert compiled.enabled("auto", cuda) and not compiled.enabled("auto", cpu)
+    monkeypatch.setattr(compiled, "splits_backward", lambda: False)  # as torch 2.11 on an H200
+    assert not compiled.enabled("auto", cuda)
+    assert compiled.enabled("on", cuda) and not compiled.enabled("off", cuda)
+
+
+def test_the_split_probe_says_no_where_autograd_refuses_the_edge(monkeypatch, caplog):
+    from tidal_agent import compiled
+
+    def refuse(*args, **kwargs):  # torch 2.11's words, from autograd.grad's _make_grads
+        raise RuntimeError("Attribute '_input_metadata' is invalid for this instance of "
+                           "_C._FunctionBase.")
+
+    monkeypatch.setattr(torch.autograd, "grad", refuse)
+    compiled.splits_backward.cache_clear()
+    try:
+        assert compiled.splits_backward() is False
+    finally:
+        compiled.splits_backward.cache_clear()
+    assert "units run eagerly" in caplog.text
