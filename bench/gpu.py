@@ -55,14 +55,16 @@ units and the plain loop alike) with dynamo's ``eager`` backend there unless
 a 2-core machine. A part that fails leaves its key ``null``,
 its error under ``errors``, and the command exits 1 after printing the JSON.
 
-``--skip pp1,modeled`` leaves those parts out (null), for a rerun that fits the time left.
+``--skip pp1,modeled`` leaves those parts out (null), for a rerun that fits the time left;
+``--out FILE`` writes the JSON there after each stage too (``finished`` false until the last),
+so that a run stopped at its time limit keeps what it had measured.
 ``--unit-compile off`` trains every run but pp1's sides with eager units (``training.compile``;
 ``auto``, the default, compiles on CUDA): under torch 2.11 a profiled run of compiled units
 fails in calibration's split backward, which loses the pp=1 run that ``strict``, ``pipeline``
 and ``modeled``'s efficiency read (docs/limits.md).
 
     python bench/gpu.py [--tiny] [--compile-backend inductor] [--plan-device h100|h200|FILE]
-                        [--skip pp1,modeled] [--unit-compile auto|on|off]
+                        [--skip pp1,modeled] [--unit-compile auto|on|off] [--out FILE]
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ TINYLLAMA = {"model_type": "llama", "num_hidden_layers": 22, "hidden_size": 2048
              "vocab_size": 32000, "max_position_embeddings": 2048}
 
 
+PARTS = ("pp1", "strict", "pipeline", "snapshots", "switches", "predictor", "modeled")
 SKIPPABLE = {"pp1", "modeled"}  # the parts --skip may leave out: no other part reads them
 
 
@@ -704,6 +707,10 @@ def main() -> None:
     parser.add_argument("--skip", default="", metavar="PARTS",
                         help="comma-separated parts not to run, each left null: pp1 (the "
                              "single-process sides), modeled")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write the JSON to this file after each stage (finished: "
+                             "false until the last), so that a run stopped at a time limit "
+                             "keeps what it measured")
     parser.add_argument("--pp1-strict-side", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -734,37 +741,44 @@ def main() -> None:
     placement = worker_placement(cuda)
     scratch = tempfile.TemporaryDirectory(prefix="tidal-gpu-bench-")
     profile = Path(scratch.name) / "pp1-profile.json"
+    report: dict[str, Any] = {
+        "benchmark": "gpu", "tiny": args.tiny, "finished": False, "device": device,
+        "plan_device": plan_device,
+        "unit_compile": args.unit_compile,  # training.compile of every run but pp1's sides
+        "plan_peak_flops": peak, **dict.fromkeys(PARTS),
+        "null_reasons": found.null_reasons, "errors": found.errors, "seconds": None,
+    }
+
+    def stage(**parts: Any) -> None:
+        """The parts measured so far into the report, and the report into ``--out``."""
+        report.update(parts, seconds=time.perf_counter() - started)
+        if args.out is not None:
+            partial = args.out.with_name(args.out.name + ".partial")
+            partial.write_text(json.dumps(report, indent=2))
+            partial.replace(args.out)
+
     # The worker processes first: the GPU is all theirs, before this process holds any of it.
     runs = pipeline_runs(job, scale, placement, found, profile)
+    stage(strict=found.part("strict", lambda: strict_part(runs, scale, found)),
+          pipeline=found.part("pipeline", lambda: pipeline_part(
+              runs, scale.pipeline_config, placement, found)),
+          snapshots=found.part("snapshots", lambda: snapshot_part(runs, found)),
+          switches=found.part("switches", lambda: switch_part(runs, found)))
     compute = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     pp1 = found.part_unless("pp1", skip, lambda: pp1_part(scale, compute, backend, peak, found))
+    if pp1 is not None and args.tiny and backend == "eager":
+        pp1["compile_note"] = ("--tiny compiles with dynamo's eager backend (graph capture, "
+                               "no code generation): inductor takes about 70 s for the toy "
+                               "model on a 2-core CPU")
+    stage(pp1=pp1)
     _free(compute)
     modeled = found.part_unless(
         "modeled", skip, lambda: modeled_part(scale, compute, plan_device, profile, found))
     scratch.cleanup()
-    report = {
-        "benchmark": "gpu", "tiny": args.tiny, "device": device,
-        "plan_device": plan_device,
-        "unit_compile": args.unit_compile,  # training.compile of every run but pp1's sides
-        "plan_peak_flops": peak,
-        "pp1": pp1,
-        "strict": found.part("strict", lambda: strict_part(runs, scale, found)),
-        "pipeline": found.part("pipeline", lambda: pipeline_part(
-            runs, scale.pipeline_config, placement, found)),
-        "snapshots": found.part("snapshots", lambda: snapshot_part(runs, found)),
-        "switches": found.part("switches", lambda: switch_part(runs, found)),
-        "predictor": found.part("predictor",
-                                lambda: predictor_part(runs, scale, pp1, plan_device, found)),
-        "modeled": modeled,
-        "null_reasons": found.null_reasons,
-        "errors": found.errors,
-        "seconds": time.perf_counter() - started,
-    }
-    if pp1 is not None:
-        if args.tiny and backend == "eager":
-            pp1["compile_note"] = ("--tiny compiles with dynamo's eager backend (graph capture, "
-                                   "no code generation): inductor takes about 70 s for the toy "
-                                   "model on a 2-core CPU")
+    stage(modeled=modeled,
+          predictor=found.part("predictor",
+                               lambda: predictor_part(runs, scale, pp1, plan_device, found)),
+          finished=True)
     print(json.dumps(report, indent=2))
     if found.errors:
         raise SystemExit(1)

@@ -140,12 +140,15 @@ def test_decide_bench_reports_each_size_against_the_target():
         s["median_ms"] for s in tiny["scenarios"].values())
 
 
-def test_gpu_bench_tiny_runs_every_cpu_part_and_keeps_the_bits():
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--tiny"],
+def test_gpu_bench_tiny_runs_every_cpu_part_and_keeps_the_bits(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--tiny",
+                             "--out", str(out)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["errors"] == {}
+    assert report["finished"] is True and json.loads(out.read_text()) == report
     assert {"device", "pp1", "strict", "pipeline", "snapshots", "switches", "predictor",
             "modeled", "null_reasons"} <= report.keys()
     # What needs CUDA is null, each with its reason
