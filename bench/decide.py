@@ -15,12 +15,16 @@ records from plain values; ``median_ms`` is the worse scenario's median, against
 each scenario, the baseline ``collector_on_median_ms``: the same decisions with the garbage
 collector left on inside the call, as before ``decide`` paused it, timed in the same loop.
 
-    python bench/decide.py [--repeat 30] [--seed 0] [--tiny]
+``--breakdown`` adds, per size and scenario, where a call's time goes (:func:`breakdown`).
+
+    python bench/decide.py [--repeat 30] [--seed 0] [--tiny] [--breakdown]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import random
 import statistics
@@ -32,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / root) for root in ("api", "agent", "operator", "doubles")]
 
 from tidal_api import DroppedRow, Layout, ScaleRow, ScaleTable  # noqa: E402
+from tidal_operator import policy, scale_down  # noqa: E402
 from tidal_operator.policy import _decide, decide  # noqa: E402
 from tidal_operator.snapshot import ElasticJob, Node, Pod, Snapshot  # noqa: E402
 
@@ -203,9 +208,71 @@ def measure(scenario: str, size: dict, repeat: int, seed: int) -> dict:
     }
 
 
-def measure_size(size: dict, repeat: int, seed: int) -> dict:
+def breakdown(scenario: str, size: dict, repeat: int, seed: int) -> dict:
+    """Where ``decide``'s time goes, median milliseconds over ``repeat`` calls (a perf_counter
+    around each piece, so the pieces cost a little more than alone): counting the pods
+    (``tally``), the scale-up, and for a scale-down the shrinkable jobs, their index by node
+    (``room_index``), the searches that find room and those that find none, the shrinks, and
+    ``other`` (best fit for the pods that fit, the decisions' records, the rest)."""
+    plain = plain_cluster(scenario, seed=seed, **size)
+    spent: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+
+    def timed(name: str, function):
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - started
+        return call
+
+    room = scale_down._Room
+
+    class Room(room):
+        __slots__ = ()
+        __init__ = timed("room_index", room.__init__)
+        shrink = timed("shrink", room.shrink)
+
+        def cheapest(self, gpus, allowed):
+            started = time.perf_counter()
+            found = room.cheapest(self, gpus, allowed)
+            kind = "search_found" if found is not None else "search_none"
+            spent[kind] += time.perf_counter() - started
+            counts[kind] += 1
+            return found
+
+    rows = []
+    with contextlib.ExitStack() as undo:
+        for module, name, stand_in in (
+                (policy, "_tally", timed("tally", policy._tally)),
+                (policy, "_scale_up", timed("scale_up", policy._scale_up)),
+                (scale_down, "_shrinkable", timed("shrinkable", scale_down._shrinkable)),
+                (scale_down, "_Room", Room)):
+            undo.callback(setattr, module, name, getattr(module, name))
+            setattr(module, name, stand_in)
+        for _ in range(repeat):
+            spent.clear()
+            counts.clear()
+            snapshot = snapshot_of(plain)
+            started = time.perf_counter()
+            decide(snapshot, NOW)
+            total = time.perf_counter() - started
+            rows.append(({"total": total, **spent, "other": total - sum(spent.values())},
+                         dict(counts)))
+    pieces = dict.fromkeys(key for piece, _ in rows for key in piece)
+    return {**{key: round(statistics.median(piece.get(key, 0.0) for piece, _ in rows) * 1e3, 2)
+               for key in pieces},
+            **{f"{kind}_count": statistics.median(count.get(kind, 0) for _, count in rows)
+               for kind in ("search_found", "search_none")}}
+
+
+def measure_size(size: dict, repeat: int, seed: int, pieces: bool = False) -> dict:
     """Both scenarios at one size, and the worse median against the target."""
     scenarios = {name: measure(name, size, repeat, seed) for name in ("scale_up", "scale_down")}
+    if pieces:
+        for name, scenario in scenarios.items():
+            scenario["breakdown_ms"] = breakdown(name, size, repeat, seed)
     worst = max(s["median_ms"] for s in scenarios.values())
     return {"size": size, "scenarios": scenarios, "median_ms": worst, "target_ms": TARGET_MS,
             "within_target": worst <= TARGET_MS}
@@ -216,9 +283,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a toy cluster (smoke test)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time a call piece by piece (breakdown_ms)")
     args = parser.parse_args()
     sizes = {"tiny": TINY} if args.tiny else {"1k_nodes": FULL, "10k_nodes": LARGE}
-    runs = {name: measure_size(size, args.repeat, args.seed) for name, size in sizes.items()}
+    runs = {name: measure_size(size, args.repeat, args.seed, args.breakdown)
+            for name, size in sizes.items()}
     worst = max(r["median_ms"] for r in runs.values())
     print(json.dumps({
         "repeat": args.repeat, "sizes": runs,

@@ -132,8 +132,13 @@ def test_sim_bench_runs_with_either_cluster_size(tmp_path):
 
 
 def test_decide_bench_reports_each_size_against_the_target():
-    report = bench("decide.py", "--tiny", "--repeat", "2")
+    report = bench("decide.py", "--tiny", "--repeat", "2", "--breakdown")
     (tiny,) = report["sizes"].values()
+    for scenario in tiny["scenarios"].values():  # the pieces of one call add up to it
+        pieces = dict(scenario["breakdown_ms"])
+        total = pieces.pop("total")
+        times = [ms for key, ms in pieces.items() if not key.endswith("_count")]
+        assert pieces["tally"] > 0 and abs(sum(times) - total) <= 0.05 * total + 0.05, pieces
     assert tiny["size"]["nodes"] == 12 and tiny["target_ms"] == report["target_ms"] == 50.0
     assert set(tiny["scenarios"]) == {"scale_up", "scale_down"}
     assert report["median_ms"] == tiny["median_ms"] == max(
