@@ -19,8 +19,8 @@ like any member: a survivor takes the lead, from the state the leader kept in th
 
 One class over one namespace of store keys: the boundary protocol, the fault path and the
 lead handed on share its bookkeeping (the generations announced, their layouts, the
-recoveries so far, the leader's state), which is why this module runs past 600 lines; split,
-each part would reach into the others' keys and fields.
+recoveries so far, the leader's state); the rescue's agreement without the store is
+:func:`tidal_agent.snapshot.agree_on_files`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -40,9 +40,10 @@ import torch.distributed as dist
 
 from tidal_agent import checkpoint
 from tidal_agent.presence import Presence
-from tidal_agent.protocol import Halt, Recovery, RendezvousLost
+from tidal_agent.protocol import (Halt, LeaderRecovering, Recovery, RendezvousLost, gen_from,
+                                   gen_json)
 from tidal_agent.report import AgentReport
-from tidal_agent.snapshot import Cut, choose_cut
+from tidal_agent.snapshot import Cut, agree_on_files, choose_cut
 from tidal_api import Target
 from tidal_api.layout import Layout, LayoutError
 from tidal_plan.elastic import Generation, TargetError, next_generation
@@ -50,24 +51,8 @@ from tidal_plan.elastic import Generation, TargetError, next_generation
 log = logging.getLogger("tidal.agent")
 
 
-class LeaderRecovering(RuntimeError):
-    """The leader took the fault path, or is lost: a member waiting at a step boundary takes
-    the fault path too."""
-
-
 Chooser = Callable[[int], tuple[Layout, float | None]]
 """Layout (and predicted step seconds) for a worker count."""
-
-
-def _gen_json(gen: Generation, layout: Layout) -> dict[str, Any]:
-    return {"index": gen.index, "revision": gen.revision, "at_step": gen.at_step,
-            "members": list(gen.members), "layout": layout.to_dict()}
-
-
-def _gen_from(data: Mapping[str, Any]) -> tuple[Generation, Layout]:
-    gen = Generation(index=data["index"], at_step=data["at_step"],
-                     members=tuple(data["members"]), revision=data.get("revision", 0))
-    return gen, Layout(**data["layout"])
 
 
 class ControlledGenerations:
@@ -231,14 +216,14 @@ class ControlledGenerations:
                 waited = time.monotonic()
             time.sleep(self.poll_s)
         data = json.loads(self.store.get(key))
-        gen, layout = _gen_from(data)
+        gen, layout = gen_from(data)
         self._layouts[gen.key] = layout
         self._leader = gen.members[0]
         self.recoveries = data.get("recoveries", 0)
         self.run = data.get("run", "")
         previous = None
         if data.get("previous"):
-            previous, old_layout = _gen_from(data["previous"])
+            previous, old_layout = gen_from(data["previous"])
             self._layouts[previous.key] = old_layout
         else:
             self.resume_from = data.get("checkpoint")
@@ -254,7 +239,7 @@ class ControlledGenerations:
         layout, predicted = self._choose(len(members))
         self._layouts[gen.key] = layout
         for pod in members[1:]:
-            self.store.set(f"gen/{pod}", json.dumps({**_gen_json(gen, layout), "previous": None,
+            self.store.set(f"gen/{pod}", json.dumps({**gen_json(gen, layout), "previous": None,
                                                      "checkpoint": self.resume_from,
                                                      "run": self.run}))
         self.current = gen
@@ -305,7 +290,7 @@ class ControlledGenerations:
                 raise LeaderRecovering(f"at step {step}: {data['fault']}")
             if "halt" in data:
                 return Halt(data["halt"])
-            following, layout = _gen_from(data)
+            following, layout = gen_from(data)
             self._layouts[following.key] = layout
             return self._switching(following, step)
         if self.stop is not None and self.stop.is_set():  # the job cannot go on without me
@@ -317,8 +302,8 @@ class ControlledGenerations:
             self.store.set(key, "null")
         else:
             layout = self._layouts[following.key]
-            announced = {**_gen_json(following, layout),
-                         "previous": _gen_json(gen, self.layout(gen))}
+            announced = {**gen_json(following, layout),
+                         "previous": gen_json(gen, self.layout(gen))}
             for pod in following.members:  # a joiner also learns the recoveries so far, which
                 if pod not in gen.members:  # number the control keys it reads from now on
                     self.store.set(f"gen/{pod}", json.dumps(
@@ -371,7 +356,7 @@ class ControlledGenerations:
         if state == self._state:
             return
         self.store.set("leader/state", json.dumps({
-            "current": _gen_json(self.current, self.layout(self.current)),
+            "current": gen_json(self.current, self.layout(self.current)),
             "applied": self.applied, "lost": sorted(self.lost)}))
         self._state = state
 
@@ -380,7 +365,7 @@ class ControlledGenerations:
         store, then the pod's part (``on_lead``)."""
         log.warning("%s takes the lead: the leader %s is lost", self.me, lost)
         data = json.loads(self.store.get("leader/state"))
-        self.current, layout = _gen_from(data["current"])
+        self.current, layout = gen_from(data["current"])
         self._layouts[self.current.key] = layout
         self.applied, self.lost = data["applied"], set(data["lost"])
         self._leader = self.me
@@ -448,7 +433,7 @@ class ControlledGenerations:
         if "abort" in decision:
             log.error("no recovery: %s", decision["abort"])
             raise error
-        gen, layout = _gen_from(decision["generation"])
+        gen, layout = gen_from(decision["generation"])
         self._layouts[gen.key] = layout
         self._leader = gen.members[0]
         cut = Cut.from_json(decision["snapshot"]) if decision.get("snapshot") else None
@@ -500,22 +485,10 @@ class ControlledGenerations:
         if not self.checkpoint_root or held is None or not self.run or me not in survivors:
             return None
         path = Path(self.checkpoint_root) / f".rescue-{self.run}-{self.recoveries}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        store = dist.FileStore(str(path), -1)
-        store.set(f"at/{me}", json.dumps(held))
-        deadline = time.monotonic() + self.rescue_wait_s
-        while not store.check([f"at/{p}" for p in survivors]):
-            if time.monotonic() > deadline:
-                missing = [p for p in survivors if not store.check([f"at/{p}"])]
-                log.error("no rescue: %s did not report within %.0f s", missing,
-                          self.rescue_wait_s)
-                return None
-            time.sleep(self.poll_s)
-        cut = choose_cut({p: json.loads(store.get(f"at/{p}")) for p in survivors})
-        if cut is None:
-            log.error("no rescue: the peer snapshots of %s hold no whole boundary",
-                      list(survivors))
+        agreed = agree_on_files(path, me, survivors, held, self.rescue_wait_s, self.poll_s)
+        if agreed is None:
             return None
+        cut, store = agreed
         return Generation(index=trained.index + 1, at_step=cut.step, members=survivors), cut, store
 
     def _recovery(self, trained: Generation, step: int, fault: str,
@@ -565,7 +538,7 @@ class ControlledGenerations:
         if self._report is not None:
             self._report.planned(index, predicted)
         left = [p for p in lost if self.store.check([f"bye/{p}"])]
-        return {"generation": _gen_json(gen, layout), "lost": lost, "left": left, "failed_at": step,
+        return {"generation": gen_json(gen, layout), "lost": lost, "left": left, "failed_at": step,
                 "checkpoint": path, "snapshot": cut.to_json() if cut is not None else None}
 
     def _survivors(self, members: list[str], fault: str) -> tuple[set[str], list[str]]:

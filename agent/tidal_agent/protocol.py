@@ -14,6 +14,7 @@ store is gone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +35,24 @@ class Recovery:
     snapshot: Cut | None = None  # the peer snapshots to rebuild from (at at_step)
     left: tuple[str, ...] = ()  # of the lost, those that left when asked to stop (SIGTERM)
     # neither checkpoint nor snapshot: start afresh from step 0
+
+
+class LeaderRecovering(RuntimeError):
+    """The leader took the fault path, or is lost: a member waiting at a step boundary takes
+    the fault path too."""
+
+
+def gen_json(gen: Generation, layout: Layout) -> dict[str, Any]:
+    """A generation and its layout as the rendezvous store keeps them."""
+    return {"index": gen.index, "revision": gen.revision, "at_step": gen.at_step,
+            "members": list(gen.members), "layout": layout.to_dict()}
+
+
+def gen_from(data: Mapping[str, Any]) -> tuple[Generation, Layout]:
+    """:func:`gen_json`'s record read back."""
+    gen = Generation(index=data["index"], at_step=data["at_step"],
+                     members=tuple(data["members"]), revision=data.get("revision", 0))
+    return gen, Layout(**data["layout"])
 
 
 class RendezvousLost(RuntimeError):

@@ -40,6 +40,8 @@ largest state the worker held, whatever the generations.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import statistics
 import threading
@@ -47,13 +49,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tidal_agent.world import World
 from tidal_api.layout import Layout
 from tidal_plan.reshard import Placement, TensorMeta
+
+log = logging.getLogger("tidal.agent")
 
 KEEP = 2  # copies of each kind: see the module docstring
 BUDGET = 0.05  # the automatic interval's bound on snapshots' share of training time
@@ -418,3 +424,26 @@ def choose_cut(summaries: Mapping[str, Mapping[str, Any]]) -> Cut | None:
 
 def _key(copy: Mapping[str, Any]) -> tuple[int, int, tuple[str, ...], Layout]:
     return (copy["generation"], copy["step"], tuple(copy["members"]), Layout(**copy["layout"]))
+
+
+def agree_on_files(path: Path, me: str, survivors: Sequence[str], held: Mapping[str, Any],
+                   wait_s: float, poll_s: float) -> tuple[Cut, Any] | None:
+    """The survivors' agreement on a cut without the rendezvous store: each writes its
+    ``summary()`` (``held``) into a FileStore at ``path`` and waits up to ``wait_s`` for the
+    others'. The newest whole cut (:func:`choose_cut`) and the store, to build the cut's world
+    on; None where a survivor did not report in time or no cut is whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    store = dist.FileStore(str(path), -1)
+    store.set(f"at/{me}", json.dumps(held))
+    deadline = time.monotonic() + wait_s
+    while not store.check([f"at/{p}" for p in survivors]):
+        if time.monotonic() > deadline:
+            missing = [p for p in survivors if not store.check([f"at/{p}"])]
+            log.error("no rescue: %s did not report within %.0f s", missing, wait_s)
+            return None
+        time.sleep(poll_s)
+    cut = choose_cut({p: json.loads(store.get(f"at/{p}")) for p in survivors})
+    if cut is None:
+        log.error("no rescue: the peer snapshots of %s hold no whole boundary", list(survivors))
+        return None
+    return cut, store
