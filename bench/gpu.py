@@ -465,10 +465,11 @@ def pipeline_part(runs: dict[str, dict[str, Any] | None], config: dict,
         peaks = run.get("peak_gpu_bytes")
         if peaks is None:
             found.null(f"pipeline.runs.{name}.peak_gpu_bytes", "the runner does not report it")
+        step_s = _median_step(run)
         out["runs"][name] = {
             "pp": list(dict.fromkeys(s["layout"]["pp"] for s in run["steps"])),  # in order
-            "step_s": _median_step(run),
-            "step_ratio": _median_step(run) / base,
+            "step_s": step_s,
+            "step_ratio": step_s / base,
             "losses_equal": _hexes(run) == _hexes(reference),
             "params_equal": run["params_sha256"] == reference["params_sha256"],
             "peak_gpu_bytes": peaks,  # per worker
