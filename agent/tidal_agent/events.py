@@ -215,6 +215,7 @@ class Finished:
 
     worker: str
     digests: dict[int, tuple[str, str]]  # global index -> (name, sha256)
+    num_params: int  # the whole model's parameters, of which ``digests`` holds this member's
     peak_rss_bytes: int = 0  # the process's peak resident memory
     peak_gpu_bytes: int | None = None  # its GPU's peak allocated memory (None: a CPU)
     snapshot_bytes: dict[str, int] | None = None  # peer snapshots' peak host memory (None: off)

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from tidal_agent import sharing
 from tidal_agent.events import (Checkpointed, Failed, Finished, Left, Listener, Profiled, Ready,
                                 Reconfigured, Released, Replanned, Stepped, Straggler)
-from tidal_agent.model import global_parameter_names
 from tidal_agent.optim import ClipMode
 from tidal_agent.trainer import params_sha256
 from tidal_agent.worker import worker_main
@@ -191,7 +190,6 @@ def run_elastic(
                 proc.join()
     if collected.profile is not None and sharing_probe and devices.device == "cpu":
         _add_sharing(collected.profile, job, threads)
-    num_params = len(global_parameter_names(job.spec.model))
     final = collected.reconfigurations[-1]["to"] if collected.reconfigurations else None
     report = {
         "job": job.metadata.name,
@@ -205,7 +203,7 @@ def run_elastic(
         # per flag the straggler watch raised or cleared, and per re-plan it made
         "stragglers": collected.stragglers,
         "replans": collected.replans,
-        "params_sha256": params_sha256(collected.digests, num_params),
+        "params_sha256": params_sha256(collected.digests, collected.num_params),
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoints": collected.checkpoints,
         "peak_rss_bytes": dict(sorted(collected.peak_rss.items())),
@@ -270,6 +268,9 @@ class _Collected(Listener):
         self.profile: str | None = None  # where the leader wrote the first online profile
         self.profiles: list[dict[str, Any]] = []
         self.digests: dict[int, tuple[str, str]] = {}
+        # the model's parameter count, as the final members said (the launcher builds no model:
+        # even on the meta device, that imports torch._dynamo, 6-8 s of CPU)
+        self.num_params = 0
         self.finished: set[str] = set()  # workers done or gone
         self.peak_rss: dict[str, int] = {}  # per worker that said, its peak resident bytes
         # per worker ready: where it trains (device, backend, transport, determinism)
@@ -315,6 +316,7 @@ class _Collected(Listener):
 
     def on_finished(self, event: Finished) -> None:
         self.digests.update(event.digests)
+        self.num_params = event.num_params
         self._gone(event)
 
     def on_left(self, event: Left) -> None:

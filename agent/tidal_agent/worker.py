@@ -276,6 +276,7 @@ class _Worker:
             self._train_step(trainer, step, watch)
             step += 1
         self.events.put(Finished(worker=self.me, digests=trainer.parameter_digests(),
+                                 num_params=trainer.num_params,
                                  **self._memory()))
 
     def _profile_from(self, start: int) -> None:

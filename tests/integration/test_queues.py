@@ -134,6 +134,8 @@ def test_a_pod_group_held_by_kueues_gate_gets_the_gpus_once(cluster):
         emu.call(emu.emulator.create, crd)
     leader = grown(api, "early", {1: 60.0, **TABLE})
     wait_for("Running at 4 workers: every GPU", lambda: leader.running(4), seen=leader.status)
+    # Read before the pods exist: a round may issue the first target before the test looks.
+    generation, released = leader.status()["target"]["generation"], []
 
     group = {"kueue.x-k8s.io/queue-name": "user-queue", "kueue.x-k8s.io/pod-group-name": "pg"}
     owners = []
@@ -151,7 +153,6 @@ def test_a_pod_group_held_by_kueues_gate_gets_the_gpus_once(cluster):
                                      "limits": {"nvidia.com/gpu": 1}}}]}}}]}}))
     # 2 GPUs, not 4: the Workload of the gated pods is not counted beside them. A round may
     # see the group's pods together (one target) or one at a time (a target each).
-    generation, released = leader.status()["target"]["generation"], []
     while len(released) < 2:
         wait_for("a scale-down target", lambda g=generation: leader.status()[
             "target"]["generation"] > g, seen=leader.status)
