@@ -44,27 +44,31 @@ from tidal_plan.gpus import Devices
 _SPAWNING = threading.Lock()  # held while a launch sets the environment its workers inherit
 
 
-# What the server imports (tidal_local.processes.AGENT_PRELOAD names the same: the one
-# server of a process serves its workers and the local cluster's pods, whichever starts it).
-PRELOAD = ("tidal_agent.pod", "tidal_agent.worker", "torch._dynamo",
-           "transformers.modeling_utils", "transformers.masking_utils",
-           "transformers.models.auto.modeling_auto")
+# What the server imports (tidal_local.processes names the same: the one server of a process
+# serves its workers and the local cluster's pods, whichever starts it): the agent and dynamo,
+# and transformers' modelling base where a Hugging Face model may be trained.
+PRELOAD = ("tidal_agent.pod", "tidal_agent.worker", "torch._dynamo")
+HF_PRELOAD = ("transformers.modeling_utils", "transformers.masking_utils",
+              "transformers.models.auto.modeling_auto")
 
 
-def worker_processes(fresh: bool = False) -> mp.context.BaseContext:
+def worker_processes(fresh: bool = False, hf: bool = False) -> mp.context.BaseContext:
     """Where worker processes come from: forks of one server process per launcher that has
     imported the worker and ``torch._dynamo`` (which torch.optim imports at an optimizer's
     first parameter group), instead of a fresh interpreter each. That saves every worker after
-    the launcher's first about 3 s of CPU (2 cores: one run of the test suite saves minutes),
-    and 1.1 s more for a Hugging Face model (transformers' modelling base, imported once by
-    the server whatever the model: a server serves every job of its launcher).
+    the launcher's first about 3 s of CPU (2 cores: one run of the test suite saves minutes).
+    The server imports transformers' modelling base too (1.5 s of CPU; 1.1 s saved in each
+    worker of a Hugging Face model) where ``hf`` (this job's model is one) or this process has
+    imported transformers itself (it may serve such a job later: a server serves every job of
+    its launcher, and the first to start it decides what it imports).
     The server runs no tensor operation, so a fork inherits no started thread pool (OpenMP's is
     not fork-safe); each worker sets its own threads. ``fresh``: a fresh interpreter each, as
     a restarted pod has (the checkpoint-restart baseline of bench/reshard.py)."""
     if fresh:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    hf = hf or "transformers" in sys.modules
+    ctx.set_forkserver_preload([*PRELOAD, *(HF_PRELOAD if hf else ())])
     return ctx
 
 
@@ -155,7 +159,7 @@ def run_elastic(
         watch_stragglers=watch_stragglers,
         track_memory=track_memory,
     )
-    ctx = worker_processes(fresh_interpreters)
+    ctx = worker_processes(fresh_interpreters, hf=job.spec.model.huggingface is not None)
     events = ctx.Queue()
     spec_json = job.spec.model_dump_json()
     procs = {

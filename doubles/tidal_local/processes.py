@@ -77,11 +77,13 @@ def spawn(args: list[str], *, env: dict[str, str], log_path: Path,
                                 preexec_fn=die_with_parent)
 
 
-# What the fork server imports for a pod: tidal_agent.runner.PRELOAD (not imported: no torch
-# here), as one server per process serves the runner's workers and the pods, whichever starts it.
-AGENT_PRELOAD = ("tidal_agent.pod", "tidal_agent.worker", "torch._dynamo",
-                 "transformers.modeling_utils", "transformers.masking_utils",
-                 "transformers.models.auto.modeling_auto")
+# What the fork server imports for a pod: tidal_agent.runner.PRELOAD and HF_PRELOAD (not
+# imported: no torch here), as one server per process serves the runner's workers and the pods,
+# whichever starts it. transformers' part where this process has imported transformers (a
+# test's); ``tidal local`` does not, and a Hugging Face pod imports it itself (1.1 s of CPU).
+AGENT_PRELOAD = ("tidal_agent.pod", "tidal_agent.worker", "torch._dynamo")
+HF_PRELOAD = ("transformers.modeling_utils", "transformers.masking_utils",
+              "transformers.models.auto.modeling_auto")
 
 
 class Forked:
@@ -117,13 +119,14 @@ def fork(main: str, args: list[str], *, env: dict[str, str], log_path: Path,
          daemon: bool = True) -> Forked:
     """``spawn`` of ``python -m MAIN ARGS`` (``main``: a module with the click ``main`` of a
     ``tidal`` command: ``tidal_cli``, or ``tidal_agent.cli`` for a checkout's agent), as a
-    fork of a server process that has imported ``AGENT_PRELOAD``; the child then takes ``env``
-    (read at import by none of those) as its whole environment. Its standard error goes to
+    fork of a server process that has imported ``AGENT_PRELOAD`` (and ``HF_PRELOAD``); the
+    child then takes ``env`` (read at import by none of those) as its whole environment. Its standard error goes to
     ``stderr_path`` where given. ``daemon``: terminated rather than waited for should this
     process exit first, and itself unable to start processes (``tidal run``'s workers)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(AGENT_PRELOAD))
+    hf = "transformers" in sys.modules
+    ctx.set_forkserver_preload([*AGENT_PRELOAD, *(HF_PRELOAD if hf else ())])
     process = ctx.Process(target=_forked_main, name=f"{main} {' '.join(args[:1])}",
                           args=(main, args, env, str(log_path), stderr_path and str(stderr_path),
                                 cwd), daemon=daemon)

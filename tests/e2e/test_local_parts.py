@@ -17,7 +17,7 @@ from tidal_api import ElasticTrainingJob, keys, parse_job
 from tidal_operator.builders import worker_pod
 from tidal_local.arrivals import ArrivalConfig, Workload, batch_pod
 from tidal_local.cluster import prerequisites
-from tidal_local.processes import AGENT_PRELOAD, RUN_ENV, AgentProcesses
+from tidal_local.processes import AGENT_PRELOAD, HF_PRELOAD, RUN_ENV, AgentProcesses
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -214,6 +214,7 @@ def test_the_static_run_shows_its_progress_from_its_log(tmp_path):
 
 def test_the_pods_fork_server_imports_what_the_workers_does():
     """A process has one fork server, for both, whichever starts it."""
+    from tidal_agent.runner import HF_PRELOAD as RUNNER_HF_PRELOAD
     from tidal_agent.runner import PRELOAD
 
-    assert AGENT_PRELOAD == PRELOAD
+    assert (AGENT_PRELOAD, HF_PRELOAD) == (PRELOAD, RUNNER_HF_PRELOAD)
