@@ -226,6 +226,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
     )
     try:
         train(identity.pod, spec, opts, report, source, where)
+        report.settle()  # the last profiles kept and published before their files go
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     leading = source.leader == identity.pod  # (the first leader, or one that took the lead)

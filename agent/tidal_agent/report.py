@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tidal_agent.events import (Finished, Halted, Left, Listener, Profiled, Ready, Reconfigured,
@@ -79,9 +79,11 @@ class AgentReport(Listener):
         self._flagged: dict[str, Straggler] = {}  # flagged now
         # per online profile: layout, steps [first, last), the profiled prediction
         self.profiled: list[dict[str, Any]] = []
-        # Called with each profile on the leader (in a thread of its own): the profiled
-        # prediction of its layout, or None; the scale table goes out from there too.
+        # Called with each profile on the leader (off the training thread, one profile after
+        # the other): the profiled prediction of its layout, or None; the scale table goes out
+        # from there too.
         self.on_profile: Callable[[Profiled], float | None] | None = None
+        self._profiling: ThreadPoolExecutor | None = None
 
     def lead(self, link: ControlLink, journal: dist.Store | None = None) -> None:
         """This pod leads from now on: its events go to ``link`` and to ``journal``, after
@@ -206,8 +208,16 @@ class AgentReport(Listener):
     def on_profiled(self, event: Profiled) -> None:
         if self.on_profile is None:
             return
-        threading.Thread(target=self._profiled, args=(event,), name="tidal-profile",
-                         daemon=True).start()
+        if self._profiling is None:  # one thread: a slow plan is not overtaken by the next
+            self._profiling = ThreadPoolExecutor(1, thread_name_prefix="tidal-profile")
+        self._profiling.submit(self._profiled, event).add_done_callback(_log_failure)
+
+    def settle(self) -> None:
+        """Wait until every profile handed in is kept and its prediction published: at the
+        job's end, so that the report and the final status say the same."""
+        if self._profiling is not None:
+            self._profiling.shutdown(wait=True)
+            self._profiling = None
 
     def _profiled(self, event: Profiled) -> None:
         predicted = self.on_profile(event)
@@ -258,3 +268,8 @@ class AgentReport(Listener):
         """A target that changes nothing, applied as it is."""
         if self.link is not None:
             self.link.publish(generation=generation)
+
+
+def _log_failure(future: Future) -> None:
+    if (err := future.exception()) is not None:
+        log.error("a profile's prediction failed", exc_info=err)
