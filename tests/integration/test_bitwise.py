@@ -70,10 +70,14 @@ def test_losses_move(reference):
 
 
 def test_naive_clipping_breaks_the_contract(job):
-    # Per-stage sums of squares all-reduced: the norm's rounding depends on the stage cut.
+    # Per-stage sums of squares all-reduced: the norm's rounding depends on the stage cut, so
+    # some layout's bits differ from one process's. Which one does depends on the host's
+    # kernels: on one AVX-512 host the cut (2, 5, 3) happened to round alike for all 20
+    # steps while two and four stages did not.
     one = _run(job, 1, clip_mode=ClipMode.NAIVE)
-    three = _run(job, 3, partition=(2, 5, 3), clip_mode=ClipMode.NAIVE)
-    assert one != three
+    layouts = [(3, (2, 5, 3)), (2, None), (4, None)]
+    assert any(_run(job, workers, partition=partition, clip_mode=ClipMode.NAIVE) != one
+               for workers, partition in layouts)
 
 
 def test_one_unit_per_stage():
