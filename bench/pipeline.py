@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import queue
 import statistics
@@ -38,6 +37,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
 
 from tidal_agent.model import StageModule, UnitContext, build_unit  # noqa: E402
+from tidal_agent.runner import worker_processes  # noqa: E402
 from tidal_agent.trainer import Trainer, batch_source  # noqa: E402
 from tidal_agent.world import Rendezvous, build_world  # noqa: E402
 from tidal_api import parse_job  # noqa: E402
@@ -163,7 +163,7 @@ def _worker(rank: int, pp: int, port: int, steps: int, warmup: int, job: dict, r
 
 def bench_pp(pp: int, steps: int, warmup: int, job: dict) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()  # forks of one warm server: both sides share the workers
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, pp, store.port, steps, warmup, job, results))
              for r in range(pp)]

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -48,7 +47,7 @@ import yaml  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tidal_agent.model import global_parameters  # noqa: E402
-from tidal_agent.runner import run_elastic, run_local  # noqa: E402
+from tidal_agent.runner import run_elastic, run_local, worker_processes  # noqa: E402
 from tidal_api import parse_job  # noqa: E402
 from tidal_plan.elastic import elastic_plan  # noqa: E402
 from tidal_plan.layout import resolve_layout  # noqa: E402
@@ -135,7 +134,7 @@ def _raw_peer(rank: int, port: int, nbytes: int, repeats: int, out) -> None:
 
 def raw_send(nbytes: int, repeats: int = 3) -> float:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()  # forks of this launcher's warm server, as the runs' workers
     out = ctx.Queue()
     procs = [ctx.Process(target=_raw_peer, args=(r, store.port, nbytes, repeats, out))
              for r in range(2)]

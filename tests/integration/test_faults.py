@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tests.jobs import NCCL_MODEL, small_job
 from tidal_agent import checkpoint
-from tidal_agent.runner import RunError, run_elastic, run_local
+from tidal_agent.runner import RunError, run_elastic, run_local, worker_processes
 from tidal_agent.world import Rendezvous, build_world
 from tidal_local.processes import free_port
 from tidal_plan.elastic import elastic_plan
@@ -95,7 +95,7 @@ def test_a_member_lost_before_a_save_fails_the_survivor_by_a_closed_connection(t
     path starts: no process group is joined at the save, whose store rendezvous would wait
     for the lost member until the timeout (the hang behind test_drain_deadline's rare
     timeout, when checkpoints joined a default group there)."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()
     errors = ctx.Queue()
     port = free_port()
     members = [ctx.Process(target=_saver, args=(rank, port, str(tmp_path), errors))

@@ -1,7 +1,6 @@
 """A pod's death is known from its ended connection (tidal_agent.presence), at once and by name,
 and a world being built with a dead member is not waited for."""
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -11,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from tidal_agent.presence import Presence, PresenceServer
+from tidal_agent.runner import worker_processes
 from tidal_agent.world import MemberGone, Rendezvous, WorldBuilder, abort_worlds
 from tidal_local.processes import free_port
 
@@ -53,7 +53,7 @@ def served():
 
 def test_a_killed_pod_is_gone_at_once_and_a_live_one_is_not(served):
     port, host = served
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()
     pods = {}
     for n, name in enumerate(("a", "b"), start=1):
         ready = ctx.Event()
