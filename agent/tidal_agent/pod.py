@@ -34,7 +34,6 @@ from tidal_agent.events import Profiled
 from tidal_agent.generations import ControlledGenerations
 from tidal_agent.link import ControlError, ControlLink
 from tidal_agent.metrics import AgentMetrics
-from tidal_agent.model import global_parameter_names
 from tidal_agent.host import CLOSED_KEY
 from tidal_agent.presence import Presence
 from tidal_agent.report import AgentReport
@@ -43,7 +42,7 @@ from tidal_agent.trainer import params_sha256
 from tidal_agent.worker import train
 from tidal_agent.worker_options import WorkerOptions
 from tidal_agent.world import Rendezvous
-from tidal_api import ElasticTrainingJob, JobSpec, keys
+from tidal_api import ElasticTrainingJob, keys
 from tidal_api.layout import Layout, LayoutError
 from tidal_plan.devices import Device, load_device
 from tidal_plan.elastic import data_parallel_degree
@@ -240,7 +239,7 @@ def _run(identity: PodIdentity, link: ControlLink, *, threads: int, steps: int |
             return {"pod": identity.pod, "left_at": report.left_at, "done": False}
         store.add("exited", 1)
         return {"pod": identity.pod, "left_at": report.left_at, "done": report.digests is not None}
-    result = _leader_report(identity.job, spec, source, report, store)
+    result = _leader_report(identity.job, source, report, store)
     _end(source, store, steps, result, report_path, timeout_s,
          finished=partial(link.publish, step=steps))
     return result
@@ -290,7 +289,7 @@ def _stop_on_sigterm(pod: str) -> threading.Event:
     return stop
 
 
-def _leader_report(job: str, spec: JobSpec, source: ControlledGenerations, report: AgentReport,
+def _leader_report(job: str, source: ControlledGenerations, report: AgentReport,
                    store: dist.Store) -> dict[str, Any]:
     """The run as the leader saw it, with one hash over every final parameter."""
     digests: dict[int, tuple[str, str]] = {}
@@ -299,7 +298,7 @@ def _leader_report(job: str, spec: JobSpec, source: ControlledGenerations, repor
         digests.update({int(k): (name, digest) for k, (name, digest) in received.items()})
     return {
         **_run_record(job, source, report),
-        "params_sha256": params_sha256(digests, len(global_parameter_names(spec.model))),
+        "params_sha256": params_sha256(digests, report.num_params),
     }
 
 

@@ -69,6 +69,7 @@ class AgentReport(Listener):
         self.recoveries: list[dict[str, Any]] = []
         self.generations: list[dict[str, Any]] = []
         self.digests: dict[int, tuple[str, str]] | None = None
+        self.num_params = 0  # the whole model's, from the Finished event
         self.left_at: int | None = None
         self.halted: Halted | None = None  # where the job halted, and its checkpoint
         self.setup: dict[str, Any] = {}  # where it trains: device, backend, transport, determinism
@@ -233,7 +234,7 @@ class AgentReport(Listener):
             self.link.publish(predicted_step_seconds=predicted)
 
     def on_finished(self, event: Finished) -> None:
-        self.digests = event.digests
+        self.digests, self.num_params = event.digests, event.num_params
 
     def on_left(self, event: Left) -> None:
         self.left_at = event.step

@@ -447,10 +447,14 @@ def _materialise(module: torch.nn.Module, device: torch.device,
 
 
 def params_sha256(digests: dict[int, tuple[str, str]], num_params: int) -> str:
-    """One hash over every parameter's digest, in global order; all must be present."""
+    """One hash over every parameter's digest, in global order; all must be present, and none
+    past ``num_params``."""
     missing = [i for i in range(num_params) if i not in digests]
     if missing:
         raise ValueError(f"parameters missing from the digests: global indices {missing[:5]}")
+    if extra := sorted(i for i in digests if not 0 <= i < num_params):
+        raise ValueError(f"digests of {len(extra)} parameters past the model's {num_params}: "
+                         f"global indices {extra[:5]}")
     h = hashlib.sha256()
     for index in range(num_params):
         name, digest = digests[index]
