@@ -163,7 +163,8 @@ def _worker(rank: int, pp: int, port: int, steps: int, warmup: int, job: dict, r
 
 def bench_pp(pp: int, steps: int, warmup: int, job: dict) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = worker_processes()  # forks of one warm server: both sides share the workers
+    # forks of one warm server (with transformers' modelling base for the Llama)
+    ctx = worker_processes(hf="huggingface" in job["spec"]["model"])
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, pp, store.port, steps, warmup, job, results))
              for r in range(pp)]

@@ -119,10 +119,11 @@ def fork(main: str, args: list[str], *, env: dict[str, str], log_path: Path,
          daemon: bool = True) -> Forked:
     """``spawn`` of ``python -m MAIN ARGS`` (``main``: a module with the click ``main`` of a
     ``tidal`` command: ``tidal_cli``, or ``tidal_agent.cli`` for a checkout's agent), as a
-    fork of a server process that has imported ``AGENT_PRELOAD`` (and ``HF_PRELOAD``); the
-    child then takes ``env`` (read at import by none of those) as its whole environment. Its standard error goes to
-    ``stderr_path`` where given. ``daemon``: terminated rather than waited for should this
-    process exit first, and itself unable to start processes (``tidal run``'s workers)."""
+    fork of a server process that has imported ``AGENT_PRELOAD`` (and ``HF_PRELOAD`` where
+    this process has imported transformers); the child then takes ``env`` (read at import by
+    none of those) as its whole environment. Its standard error goes to ``stderr_path`` where
+    given. ``daemon``: terminated rather than waited for should this process exit first, and
+    itself unable to start processes (``tidal run``'s workers)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
     hf = "transformers" in sys.modules
